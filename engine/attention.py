@@ -1,0 +1,68 @@
+"""Pure-torch paged attention: reads K/V through block tables, never from a per-sequence cache.
+
+A step's tokens are laid out flat, decodes first (one query row each), then the prefill chunks:
+
+    rows:   [d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1]
+             decodes    prefill chunk 0  prefill chunk 1
+
+Decodes run as one batched attention over their padded block tables; each prefill chunk runs on its
+own with a causal mask offset by the tokens it already has in the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    row_start: int            # first row of the chunk in the flat batch
+    num_tokens: int           # query rows of the chunk
+    context_len: int          # tokens in the cache after this step, the chunk's included
+    block_table: torch.Tensor  # pages covering context_len, int64
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] flat cache slot of every new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor   # [num_decodes, max_pages], padded with page 0
+    decode_context_lens: torch.Tensor   # [num_decodes]
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] → [T, num_heads, head_dim], keys/values read from the cache."""
+    out = torch.empty_like(q)
+    key_pages, value_pages = kv_cache.layer(layer)
+    if meta.num_decodes:
+        n = meta.num_decodes
+        tables = meta.decode_block_tables
+        keys = key_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)      # [n, kv_heads, L, D]
+        values = value_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        out[:n] = F.scaled_dot_product_attention(
+            q[:n].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
+        keys = key_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
+        values = value_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
+        query = q[rows].transpose(0, 1)                                          # [heads, n, D]
+        if chunk.num_tokens == chunk.context_len:
+            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                                      enable_gqa=True)
+        else:
+            first = chunk.context_len - chunk.num_tokens
+            query_pos = torch.arange(first, chunk.context_len, device=q.device)
+            key_pos = torch.arange(chunk.context_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                                      enable_gqa=True)
+        out[rows] = attended.transpose(0, 1)
+    return out

@@ -1,0 +1,111 @@
+"""Page allocator of the paged KV cache. Torch-free: the simulator drives this very class.
+
+The pool holds `num_pages` pages of `page_size` token slots. A sequence owns a block table, the list of
+its pages in token order; slot `t` of the sequence lives in page `table[t // page_size]` at offset
+`t % page_size`:
+
+    page_size = 4           pool: [0][1][2][3][4][5][6][7]
+    seq 7: 10 tokens        table [5, 2, 6]   tokens 0-3 -> page 5, 4-7 -> page 2, 8-9 -> page 6 (2 free)
+    seq 9:  3 tokens        table [0]         tokens 0-2 -> page 0 (1 free)
+    free pages (FIFO):      1, 3, 4, 7
+
+Every mutating method has a paired `can_*` that says whether it would succeed; calling the mutator when
+its `can_*` is false is a bug of the caller and raises `OutOfPages`. Pages carry reference counts and go
+back to the free list when the count drops to zero.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.memory import pages_for_tokens
+
+
+class OutOfPages(RuntimeError):
+    """A mutator was called although its `can_*` check was false."""
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: deque[int] = deque(range(num_pages))
+        self._ref_counts = [0] * num_pages
+        self._tables: dict[int, list[int]] = {}
+        self._num_slots: dict[int, int] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._tables[seq_id])
+
+    def num_slots(self, seq_id: int) -> int:
+        """Token slots reserved for the sequence (its cached tokens plus those scheduled now)."""
+        return self._num_slots.get(seq_id, 0)
+
+    def ref_count(self, page: int) -> int:
+        return self._ref_counts[page]
+
+    def _new_pages_needed(self, seq_id: int, num_new_tokens: int) -> int:
+        held = len(self._tables.get(seq_id, ()))
+        return pages_for_tokens(self.num_slots(seq_id) + num_new_tokens, self.page_size) - held
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return pages_for_tokens(num_tokens, self.page_size) <= len(self._free)
+
+    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Gives a sequence without pages enough pages for its first `num_tokens` tokens."""
+        if seq_id in self._tables:
+            raise OutOfPages(f"sequence {seq_id} already holds pages")
+        if not self.can_allocate(num_tokens):
+            raise OutOfPages(f"{num_tokens} tokens need more than the {len(self._free)} free pages")
+        self._tables[seq_id] = []
+        self._num_slots[seq_id] = 0
+        return self.append(seq_id, num_tokens)
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self._new_pages_needed(seq_id, num_new_tokens) <= len(self._free)
+
+    def append(self, seq_id: int, num_new_tokens: int) -> list[int]:
+        """Reserves slots for `num_new_tokens` more tokens; returns the pages that had to be added."""
+        needed = self._new_pages_needed(seq_id, num_new_tokens)
+        if needed > len(self._free):
+            raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {len(self._free)} are free")
+        new_pages = [self._free.popleft() for _ in range(needed)]
+        for page in new_pages:
+            self._ref_counts[page] += 1
+        self._tables[seq_id].extend(new_pages)
+        self._num_slots[seq_id] += num_new_tokens
+        return new_pages
+
+    def free(self, seq_id: int) -> None:
+        """Releases all pages of a sequence; a sequence without pages is a no-op."""
+        for page in self._tables.pop(seq_id, ()):
+            self._ref_counts[page] -= 1
+            if self._ref_counts[page] == 0:
+                self._free.append(page)
+        self._num_slots.pop(seq_id, None)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the accounting is inconsistent; for tests and debugging."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        held: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            assert len(table) == pages_for_tokens(self._num_slots[seq_id], self.page_size), \
+                f"sequence {seq_id} holds {len(table)} pages for {self._num_slots[seq_id]} slots"
+            for page in table:
+                held[page] = held.get(page, 0) + 1
+        for page in range(self.num_pages):
+            assert self._ref_counts[page] == held.get(page, 0), f"page {page} has a wrong reference count"
+            assert (page in free) == (self._ref_counts[page] == 0), f"page {page} is both free and held"

@@ -1,0 +1,189 @@
+"""`LLM`: the engine's public face, with `generate()` and a step-level API for serving loops."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.errors import ConfigError, RequestError
+from engine.kv_cache import PagedKVCache
+from engine.loader import load_model
+from engine.memory import GIB, KVLayout, kv_bytes_per_token, kv_pages_for_budget
+from engine.runner import ModelRunner
+from engine.scheduler import ScheduledSequence, Scheduler
+from engine.sequence import FinishReason, SamplingParams, Sequence
+
+CPU_DEFAULT_KV_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_preemptions: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but no CUDA GPU is available")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}") from None
+
+
+def kv_layout(model_config: ModelConfig, kv_dtype: str) -> KVLayout:
+    return KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        self.device = resolve_device(config.device)
+        loaded = load_model(config.model, config.weights, self.device, config.seed)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype)
+        num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
+                                                            config.page_size)
+        if num_pages <= 0:
+            raise ConfigError(f"the KV budget holds no page of {config.page_size} tokens "
+                              f"({kv_bytes_per_token(self.kv_layout)} bytes per token)")
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.scheduler_config = SchedulerConfig(
+            num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill)
+        self.block_manager = BlockManager(num_pages, config.page_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
+        self._requests: dict[int, Sequence] = {}
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_gib is not None:
+            return int(self.config.kv_cache_gib * GIB)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            return max(0, int(total * self.config.gpu_memory_utilization) - used_by_others)
+        return int(CPU_DEFAULT_KV_GIB * GIB)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.scheduler_config.capacity_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.config.model!r} has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _validate(self, token_ids: list[int], max_tokens: int) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{vocab - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; the model's context is "
+                               f"{self.max_model_len} tokens")
+        total = len(token_ids) + max_tokens
+        if total > self.max_model_len:
+            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
+                               f"exceeds the model's context of {self.max_model_len} tokens")
+        if total > self.capacity_tokens:
+            raise RequestError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of "
+                               f"{self.capacity_tokens} tokens")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Validates and queues a request; a bad one raises RequestError and changes nothing."""
+        params = params or SamplingParams()
+        token_ids = self.encode_prompt(prompt)
+        self._validate(token_ids, params.max_tokens)
+        seq = Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter())
+        self._requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def score(self, prompt: str | list[int]) -> torch.Tensor:
+        """Logits [n, vocab] at every prompt position, through the paged cache (for evaluation).
+
+        Uses free pages of the pool for the duration of the call; running requests are not touched.
+        """
+        token_ids = self.encode_prompt(prompt)
+        self._validate(token_ids, 0)
+        seq = Sequence(token_ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.can_allocate(seq.num_tokens):
+            raise RequestError(f"{seq.num_tokens} tokens do not fit in the {self.block_manager.num_free_pages} "
+                               f"free KV pages now")
+        self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+        try:
+            return self.runner.logits([ScheduledSequence(seq, 0, seq.num_tokens)])
+        finally:
+            self.block_manager.free(seq.seq_id)
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the requests that finished in it."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampled = self.runner.execute(output)
+        return [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        self._requests.pop(seq.seq_id, None)
+        self.runner.release(seq.seq_id)
+        text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+        reason = (seq.finish_reason or FinishReason.ABORT).value
+        return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, reason,
+                             seq.num_preemptions)
+
+    def generate(self, prompts: list[str | list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs all prompts to completion together; outputs come in the order of the prompts.
+
+        Every prompt is validated before any is queued, so a bad one rejects the call as a whole.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, prompt_params in zip(prompts, params):
+                ids.append(self.add_request(prompt, prompt_params))
+        except RequestError:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        results: dict[int, RequestOutput] = {}
+        while len(results) < len(ids):
+            results.update((r.request_id, r) for r in self.step() if r.request_id in ids)
+        return [results[request_id] for request_id in ids]

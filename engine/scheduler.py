@@ -1,0 +1,143 @@
+"""Continuous batching. Torch-free: the simulator drives this very class with a simulated clock.
+
+The step interface is two calls: `schedule()` forms the batch of the next step, `update()` takes what
+the step produced. Each step spends a budget of `max_num_batched_tokens`:
+
+1. running sequences, oldest first, each gets its next token (decode) or the next chunk of its prompt;
+   when the pool cannot hold them, the newest running sequence is preempted by recompute: its pages
+   are freed and it goes back to the front of the waiting queue, keeping the tokens it generated;
+2. then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget,
+   `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
+
+Prefill chunks and decodes share one step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """A sequence in this step: it computes tokens [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    samples: bool = field(init=False)   # the step reaches the last known token, so a new one is sampled
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.end == self.seq.num_tokens)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager or BlockManager(config.num_pages, config.page_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Removes a sequence wherever it is and frees its pages; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq_id)
+                    seq.finish(FinishReason.ABORT)
+                    return seq
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq.seq_id, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append(seq.seq_id, num_new)
+                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                index += 1
+
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.can_allocate(num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq.seq_id, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advances the scheduled sequences; `sampled` maps seq_id to its new token. Returns the finished."""
+        finished = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished:          # aborted between schedule and update
+                continue
+            seq.num_computed_tokens = item.end
+            if item.samples:
+                seq.append_token(sampled[seq.seq_id], self.config.max_model_len)
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.block_manager.free(seq.seq_id)
+                finished.append(seq)
+        return finished

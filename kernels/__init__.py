@@ -1,0 +1,1 @@
+"""Triton kernels of the engine, each beside a pure-torch reference that it is tested against."""

@@ -1,0 +1,46 @@
+"""Shared fixtures: the real SmolLM2 model is loaded once per session and shared by the engines."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    from engine.loader import BUNDLED_MODELS, bundled_gguf_path
+
+    return bundled_gguf_path(*BUNDLED_MODELS["smollm2-135m"])
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The default engine: SmolLM2-135M in fp32 on CPU."""
+    from engine.llm import LLM
+
+    return LLM(model="smollm2-135m", weights="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def english_prompts(engine) -> list[list[int]]:
+    """16 prompts of different lengths cut from real English text shipped with Python."""
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics[key] for key in sorted(topics)[:40])
+    ids = engine.tokenizer.encode(text)
+    lengths = [3, 7, 12, 18, 25, 31, 40, 47, 55, 64, 71, 80, 93, 101, 117, 130]
+    return [ids[i * 150:i * 150 + n] for i, n in enumerate(lengths)]
+
+
+def run_cli(*args: str, timeout: float = 300):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
