@@ -20,19 +20,35 @@ from engine.kv_cache import PagedKVCache
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    row_start: int            # first row of the chunk in the flat batch
-    num_tokens: int           # query rows of the chunk
-    context_len: int          # tokens in the cache after this step, the chunk's included
-    block_table: torch.Tensor  # pages covering context_len, int64
+    row_start: int                  # first row of the chunk in the flat batch
+    num_tokens: int                 # query rows of the chunk
+    context_len: int                # tokens in the cache after this step, the chunk's included
+    block_table: torch.Tensor       # pages covering context_len, int64
+    causal_mask: torch.Tensor | None  # [num_tokens, context_len]; None when the chunk is the whole context
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """Built once per step by the runner and shared by all layers."""
+
     slot_mapping: torch.Tensor          # [T] flat cache slot of every new token
     num_decodes: int
     decode_block_tables: torch.Tensor   # [num_decodes, max_pages], padded with page 0
-    decode_context_lens: torch.Tensor   # [num_decodes]
+    decode_mask: torch.Tensor           # [num_decodes, 1, 1, max_pages * page_size]: slot < context length
     prefills: tuple[PrefillChunk, ...]
+
+
+def decode_mask(context_lens: torch.Tensor, max_pages: int, page_size: int) -> torch.Tensor:
+    slots = torch.arange(max_pages * page_size, device=context_lens.device)
+    return (slots[None, :] < context_lens[:, None])[:, None, None, :]
+
+
+def chunk_causal_mask(num_tokens: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """Query i of a chunk sits at position context_len - num_tokens + i and sees keys up to it."""
+    if num_tokens == context_len:
+        return None
+    query_pos = torch.arange(context_len - num_tokens, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
@@ -45,24 +61,15 @@ def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
         tables = meta.decode_block_tables
         keys = key_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)      # [n, kv_heads, L, D]
         values = value_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
         out[:n] = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+            q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
         keys = key_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
         values = value_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
         query = q[rows].transpose(0, 1)                                          # [heads, n, D]
-        if chunk.num_tokens == chunk.context_len:
-            attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
-                                                      enable_gqa=True)
-        else:
-            first = chunk.context_len - chunk.num_tokens
-            query_pos = torch.arange(first, chunk.context_len, device=q.device)
-            key_pos = torch.arange(chunk.context_len, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                                      enable_gqa=True)
+        attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.causal_mask,
+                                                  is_causal=chunk.causal_mask is None, scale=scale,
+                                                  enable_gqa=True)
         out[rows] = attended.transpose(0, 1)
     return out

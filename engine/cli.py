@@ -7,7 +7,7 @@ import sys
 from typing import Any, NoReturn
 
 from engine.config import KV_DTYPES, WEIGHT_DTYPES, EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestError
 
 EXIT_BAD_INPUT = 2
 
@@ -59,6 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sequence import SamplingParams
 
+    if not args.prompt.strip():
+        raise RequestError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     config = EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, device=args.device,

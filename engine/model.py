@@ -57,10 +57,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] of the step's positions, looked up once for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,14 +84,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         kv_cache.write(self.layer, meta.slot_mapping, k, v)
         attended = paged_attention(q, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(attended.reshape(tokens, self.q_size))
@@ -114,9 +117,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,8 +140,9 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of new tokens [T] → final hidden states [T, hidden]; K/V go to the cache."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rotary, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

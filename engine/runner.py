@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
 from engine.block_manager import BlockManager
 from engine.kv_cache import PagedKVCache
 from engine.memory import pages_for_tokens
@@ -58,13 +58,15 @@ class ModelRunner:
             else:
                 pages = table[:pages_for_tokens(item.end, page_size)]
                 prefills.append(PrefillChunk(len(token_ids) - item.num_new_tokens, item.num_new_tokens,
-                                             item.end, self._tensor(pages)))
+                                             item.end, self._tensor(pages),
+                                             chunk_causal_mask(item.num_new_tokens, item.end, self.device)))
         width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=len(decode_tables),
-            decode_block_tables=self._tensor([t + [0] * (width - len(t)) for t in decode_tables]).reshape(len(decode_tables), width),
-            decode_context_lens=self._tensor(decode_lens),
+            decode_block_tables=self._tensor(padded).reshape(len(decode_tables), width),
+            decode_mask=decode_mask(self._tensor(decode_lens), width, page_size),
             prefills=tuple(prefills),
         )
         return self._tensor(token_ids), self._tensor(positions), meta

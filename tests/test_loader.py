@@ -1,0 +1,95 @@
+"""Loading: the bundled GGUF, a Hugging Face folder, random weights from a config, and damaged input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError, LoaderError, RequestError
+from engine.llm import LLM
+from engine.loader import load_model, resolve
+from engine.sequence import SamplingParams
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 128},
+        "tie_word_embeddings": False, "eos_token_id": [1, 2]}
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The engine's fused weights split back into Hugging Face names."""
+    config = model.config
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if "qkv_proj" in name:
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv])):
+                state["model." + name.replace("qkv_proj", part)] = rows.clone()
+        elif "gate_up_proj" in name:
+            for part, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                state["model." + name.replace("gate_up_proj", part)] = rows.clone()
+        else:
+            state[name if name.startswith("lm_head") else "model." + name] = tensor.clone()
+    return state
+
+
+def test_hf_folder_round_trip(tmp_path, engine):
+    ids = engine.tokenizer.encode("A folder of safetensors holds the same model")
+    save_file(hf_state_dict(engine.model), str(tmp_path / "model.safetensors"))
+    config = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+              "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+              "tie_word_embeddings": True, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve(str(tmp_path)).kind == "hf"
+    folder_engine = LLM(model=str(tmp_path), num_pages=64)
+    assert torch.equal(folder_engine.score(ids), engine.score(ids))
+
+
+def test_random_weights_from_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    loaded = load_model(str(path), "fp32", "cpu", seed=3)
+    assert loaded.source.kind == "random" and loaded.tokenizer is None
+    assert loaded.config.rope.rope_type == "llama3" and loaded.config.eos_token_ids == (1, 2)
+    assert sum(p.numel() for p in loaded.model.parameters()) == loaded.config.num_parameters
+    again = load_model(str(path), "fp32", "cpu", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.parameters(), again.model.parameters()))
+    llm = LLM(model=str(path), num_pages=32, seed=3)
+    result = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(result.token_ids) == 6 and all(0 <= t < 256 for t in result.token_ids)
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.add_request("text needs a tokenizer")
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from engine.model import rope_inverse_frequencies
+
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})
+    init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"]
+    expected, _ = init(hf_config, "cpu")
+    ours = rope_inverse_frequencies(16, ModelConfig.from_hf(TINY).rope)
+    torch.testing.assert_close(ours, expected.float())
+
+
+def test_damaged_and_unknown_models(tmp_path, smollm_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm_path.read_bytes()[:5_000_000])
+    with pytest.raises(LoaderError, match="truncated or corrupt"):
+        load_model(str(truncated))
+    with pytest.raises(LoaderError, match="unknown model 'no-such-model'"):
+        load_model("no-such-model")
+    broken = tmp_path / "config.json"
+    broken.write_text(json.dumps({k: v for k, v in TINY.items() if k != "hidden_size"}))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        load_model(str(broken))
+    bad_rope = tmp_path / "rope.json"
+    bad_rope.write_text(json.dumps({**TINY, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ConfigError, match="yarn"):
+        load_model(str(bad_rope))
