@@ -157,7 +157,7 @@ class EngineConfig:
     model: str = "smollm2-135m"
     weights: str = "fp32"
     kv_dtype: str | None = None
-    device: str = "cpu"
+    device: str = "auto"
     page_size: int = 16
     kv_cache_gib: float | None = None
     num_pages: int | None = None

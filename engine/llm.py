@@ -67,7 +67,6 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
-        self._requests: dict[int, Sequence] = {}
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_gib is not None:
@@ -117,7 +116,6 @@ class LLM:
         token_ids = self.encode_prompt(prompt)
         self._validate(token_ids, params.max_tokens)
         seq = Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter())
-        self._requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -156,7 +154,6 @@ class LLM:
         return [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
 
     def _finish(self, seq: Sequence) -> RequestOutput:
-        self._requests.pop(seq.seq_id, None)
         self.runner.release(seq.seq_id)
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         reason = (seq.finish_reason or FinishReason.ABORT).value
