@@ -55,18 +55,18 @@ def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, num_heads, head_dim] → [T, num_heads, head_dim], keys/values read from the cache."""
     out = torch.empty_like(q)
-    key_pages, value_pages = kv_cache.layer(layer)
     if meta.num_decodes:
         n = meta.num_decodes
-        tables = meta.decode_block_tables
-        keys = key_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)      # [n, kv_heads, L, D]
-        values = value_pages[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys, values = kv_cache.gather(layer, meta.decode_block_tables, q.dtype)
+        keys = keys.flatten(1, 2).transpose(1, 2)                                  # [n, kv_heads, L, D]
+        values = values.flatten(1, 2).transpose(1, 2)
         out[:n] = F.scaled_dot_product_attention(
             q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-        keys = key_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
-        values = value_pages[chunk.block_table].flatten(0, 1)[:chunk.context_len].transpose(0, 1).to(q.dtype)
+        keys, values = kv_cache.gather(layer, chunk.block_table, q.dtype)
+        keys = keys.flatten(0, 1)[:chunk.context_len].transpose(0, 1)             # [kv_heads, ctx, D]
+        values = values.flatten(0, 1)[:chunk.context_len].transpose(0, 1)
         query = q[rows].transpose(0, 1)                                          # [heads, n, D]
         attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.causal_mask,
                                                   is_causal=chunk.causal_mask is None, scale=scale,

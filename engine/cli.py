@@ -23,8 +23,12 @@ class OneLineParser(argparse.ArgumentParser):
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m",
                         help="smollm2-135m, a .gguf file, a Hugging Face folder or a config.json (random weights)")
-    parser.add_argument("--weights", default="fp32", help=f"weight dtype: {'|'.join(WEIGHT_DTYPES)}")
-    parser.add_argument("--kv-dtype", default=None, help=f"KV cache dtype: {'|'.join(KV_DTYPES)} (default: weights)")
+    parser.add_argument("--weights", default="fp32",
+                        help=f"weights: {'|'.join(WEIGHT_DTYPES)} (native: as the checkpoint ships, e.g. GGUF Q4_1)")
+    parser.add_argument("--group-size", type=int, default=128, help="INT4 group size: 32, 64 or 128")
+    parser.add_argument("--symmetric", action="store_true", help="symmetric INT4 grid (no per-group minimum)")
+    parser.add_argument("--kv-dtype", default=None,
+                        help=f"KV cache dtype: {'|'.join(KV_DTYPES)} (default: the compute dtype)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="KV cache budget in GiB (default: 1 GiB on CPU, 90%% of the GPU less what is in use)")
@@ -48,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="memory arithmetic of a model: weights, KV per token, pages")
     _engine_options(info)
+
+    evaluate = commands.add_parser("eval", help="perplexity on a fixed English text shipped with Python")
+    _engine_options(evaluate)
+    evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    evaluate.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    evaluate.add_argument("--windows", type=int, default=8, help="number of consecutive windows")
     return parser
+
+
+def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
+                        kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
+                        **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -63,9 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise RequestError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    config = EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, device=args.device,
-                          page_size=args.page_size, kv_cache_gib=args.memory_gib)
-    llm = LLM(config)
+    llm = LLM(engine_config(args, device=args.device))
     prompt = args.prompt
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -77,29 +91,45 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_info(args: argparse.Namespace) -> None:
     from engine.llm import CPU_DEFAULT_KV_GIB, kv_layout
-    from engine.loader import read_model_config, resolve
-    from engine.memory import GIB, kv_bytes_per_token, kv_pages_for_budget, weight_bytes
+    from engine.loader import read_model_config, resolve, weight_bytes_report
+    from engine.memory import GIB, kv_bytes_per_token, kv_pages_for_budget, kv_scale_bytes
 
-    config = EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
-                          kv_cache_gib=args.memory_gib)
-    model_config = read_model_config(resolve(config.model))
-    layout = kv_layout(model_config, config.resolved_kv_dtype)
+    config = engine_config(args)
+    source = resolve(config.model)
+    model_config = read_model_config(source)
+    layout = kv_layout(model_config, config.resolved_kv_dtype(on_gpu=False))
     budget = int((config.kv_cache_gib or CPU_DEFAULT_KV_GIB) * GIB)
     pages = kv_pages_for_budget(budget, layout, config.page_size)
+    weights = weight_bytes_report(source, model_config, config)
     payload = {
-        "weight_bytes": weight_bytes(model_config.num_parameters, config.weights),
+        "weight_bytes": weights["weight_bytes"],
+        "linear_weight_bytes": weights["linear_weight_bytes"],
+        "weight_bytes_by_dtype": weights["weight_bytes_by_dtype"],
         "kv_bytes_per_token": kv_bytes_per_token(layout),
+        "kv_scale_bytes": kv_scale_bytes(layout),
         "page_size": config.page_size,
         "kv_pages": pages,
         "kv_capacity_tokens": pages * config.page_size,
     }
-    _emit(payload, args.json, "\n".join(f"{key:20s} {value}" for key, value in payload.items()))
+    _emit(payload, args.json, "\n".join(f"{key:22s} {value}" for key, value in payload.items()))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from engine.evaluate import perplexity
+    from engine.llm import LLM
+
+    llm = LLM(engine_config(args, device=args.device))
+    result = perplexity(llm, args.window, args.windows)
+    payload = {"perplexity": result.perplexity, "tokens": result.tokens, "kv_dtype": llm.kv_layout.dtype,
+               "weights": args.weights}
+    _emit(payload, args.json, f"perplexity {result.perplexity:.4f} over {result.tokens} tokens "
+                              f"(weights {args.weights}, kv {llm.kv_layout.dtype})")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+        {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval}[args.command](args)
     except EngineError as error:
         print(f"engine: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

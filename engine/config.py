@@ -7,8 +7,9 @@ from typing import Any
 from engine.errors import ConfigError
 
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
-KV_DTYPES = FLOAT_DTYPES
-WEIGHT_DTYPES = FLOAT_DTYPES
+KV_DTYPES = (*FLOAT_DTYPES, "fp8")
+WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
+GROUP_SIZES = (32, 64, 128)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -84,6 +85,17 @@ class ModelConfig:
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _require(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
 
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(out_features, in_features) of each linear layer of one decoder layer."""
+        hidden, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
+        return [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden),
+                (hidden, inter)]
+
+    @property
+    def num_linear_parameters(self) -> int:
+        return self.num_layers * sum(o * i for o, i in self.linear_shapes())
+
     @property
     def num_parameters(self) -> int:
         """Exact parameter count: embeddings (once if tied), attention, SwiGLU, norms, head."""
@@ -157,6 +169,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     weights: str = "fp32"
     kv_dtype: str | None = None
+    compute_dtype: str | None = None
+    group_size: int = 128
+    int4_symmetric: bool = False
     device: str = "auto"
     page_size: int = 16
     kv_cache_gib: float | None = None
@@ -173,6 +188,13 @@ class EngineConfig:
                  f"unknown weights dtype {self.weights!r} (choose from {', '.join(WEIGHT_DTYPES)})")
         _require(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,
                  f"unknown kv dtype {self.kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+        _require(self.compute_dtype is None or self.compute_dtype in FLOAT_DTYPES,
+                 f"unknown compute dtype {self.compute_dtype!r} (choose from {', '.join(FLOAT_DTYPES)})")
+        _require(self.compute_dtype is None or self.weights not in FLOAT_DTYPES
+                 or self.compute_dtype == self.weights,
+                 f"float weights ({self.weights}) compute in their own dtype, not {self.compute_dtype!r}")
+        _require(self.group_size in GROUP_SIZES,
+                 f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
         if self.num_pages is not None:
@@ -184,7 +206,12 @@ class EngineConfig:
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
-    @property
-    def resolved_kv_dtype(self) -> str:
+    def resolved_compute_dtype(self, on_gpu: bool) -> str:
+        """Float weights compute in their dtype; quantized ones in bf16 on a GPU and fp32 on CPU."""
+        if self.weights in FLOAT_DTYPES:
+            return self.weights
+        return self.compute_dtype or ("bf16" if on_gpu else "fp32")
+
+    def resolved_kv_dtype(self, on_gpu: bool) -> str:
         """The KV cache is stored in the compute dtype unless told otherwise."""
-        return self.kv_dtype or self.weights
+        return self.kv_dtype or self.resolved_compute_dtype(on_gpu)

