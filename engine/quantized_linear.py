@@ -15,13 +15,16 @@ from engine.quant import (SYMMETRIC_OFFSET, Fp8Weight, Int4Weight, dequantize_fp
 
 CPU_INT4_INNER_K_TILES = 2
 CPU_INT4_ROW_MULTIPLE = 16     # torch's CPU int4 kernel packs output rows in blocks of 16
+CPU_INT4_KERNEL_MAX_ROWS = 32  # beyond this (prefill) the step is compute-bound: dequantize, float matmul
+CPU_INT4_ACTIVATIONS = torch.bfloat16   # the CPU kernel is vectorised for bf16 activations only (~30x fp32)
 
 
 class Int4Linear(nn.Module):
     """W4A16: INT4 weights, activations in the compute dtype.
 
-    On CPU the matmul is torch's int4 kernel (`_weight_int4pack_mm_for_cpu`), whose grid is
-    w = (q - 8) * scale + zero, i.e. zero = minimum + 8 * scale; elsewhere the weight is dequantized.
+    On CPU, memory-bound steps (few rows: decode) run torch's int4 kernel (`_weight_int4pack_mm_for_cpu`)
+    on bf16 activations; its grid is w = (q - 8) * scale + zero, i.e. zero = minimum + 8 * scale.
+    Compute-bound steps (prefill) and other devices dequantize to the compute dtype and run a float matmul.
     """
 
     def __init__(self, weight: Int4Weight) -> None:
@@ -47,11 +50,13 @@ class Int4Linear(nn.Module):
         return self._cpu_kernel[0], self._cpu_kernel[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and self.out_features % CPU_INT4_ROW_MULTIPLE == 0:
-            packed, scales_and_zeros = self._cpu_operands(x.dtype)
-            flat = x.reshape(-1, self.in_features)
-            out = torch._weight_int4pack_mm_for_cpu(flat, packed, self.group_size, scales_and_zeros)
-            return out.reshape(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if (x.device.type == "cpu" and flat.shape[0] <= CPU_INT4_KERNEL_MAX_ROWS
+                and self.out_features % CPU_INT4_ROW_MULTIPLE == 0):
+            packed, scales_and_zeros = self._cpu_operands(CPU_INT4_ACTIVATIONS)
+            out = torch._weight_int4pack_mm_for_cpu(flat.to(CPU_INT4_ACTIVATIONS), packed, self.group_size,
+                                                     scales_and_zeros)
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, dequantize_int4(self.weight_int4, x.dtype))
 
 

@@ -81,7 +81,7 @@ def test_gguf_q4_1_moves_bits_exactly(smollm_path):
     assert ours.scales.dtype == torch.float16 and ours.group_size == 32
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33, 100])
 @pytest.mark.parametrize("shape", [(96, 64), (40, 256)])
 def test_int4_linear_matches_reference(rows, shape):
     weight = quantize_int4(torch.randn(shape), WeightFormat("int4", 32))
@@ -90,7 +90,8 @@ def test_int4_linear_matches_reference(rows, shape):
     out = layer(x)
     reference = F.linear(x, dequantize_int4(weight))
     assert out.shape == (rows, shape[0]) and not torch.isnan(out).any()
-    assert relative_error(out, reference) < 1e-5
+    kernel_path = rows <= 32 and shape[0] % 16 == 0       # torch's CPU int4 kernel rounds activations to bf16
+    assert relative_error(out, reference) < (1e-2 if kernel_path else 1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
