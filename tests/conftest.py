@@ -9,6 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels run on CPU through the interpreter
 
 REPO = Path(__file__).resolve().parent.parent
 

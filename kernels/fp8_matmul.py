@@ -1,0 +1,54 @@
+"""W8A16 GEMM in Triton: x [M, K] @ W^T with W stored as e4m3 and one scale per output channel.
+
+The weight tile is widened to x's dtype in registers; the channel scale multiplies the fp32
+accumulator once at the end, so the loop moves one byte per weight.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_tensor
+from kernels.int4_matmul import ACTIVATION_DTYPES
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    scale = tl.load(scales_ptr + cols, mask=col_ok, other=0.0)
+    acc = acc * scale[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                 block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """Same contract as `kernels.reference.w8a16_matmul`."""
+    device = x.device
+    check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
+    check_tensor("values", values, 2, (torch.float8_e4m3fn,), device)
+    check_tensor("scales", scales, 1, (torch.float32,), device)
+    m, k = x.shape
+    n = values.shape[0]
+    check(values.shape[1] == k, f"weight has K={values.shape[1]}, x has K={k}")
+    check(scales.shape[0] == n, f"{scales.shape[0]} scales for {n} output channels")
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a16_kernel[grid](x, values, scales, out, m, n, k, x.stride(0), values.stride(0), out.stride(0),
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out

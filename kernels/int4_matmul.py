@@ -1,0 +1,67 @@
+"""W4A16 GEMM in Triton: x [M, K] @ W^T with W stored as INT4, dequantized group-wise inside the loop.
+
+Each program computes a [BLOCK_M, BLOCK_N] tile; per K block it loads the packed bytes (each byte
+serves two k), the group's scale and minimum, dequantizes in registers and feeds tl.dot in x's dtype,
+accumulating in fp32. Only the packed bytes cross memory: that is the whole point at small M.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_tensor
+
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, minimums_ptr, out_ptr, M, N, K,
+                  stride_xm, stride_pn, stride_sn, stride_om,
+                  GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None], other=0.0)
+        packed = tl.load(packed_ptr + cols[:, None] * stride_pn + (k[None, :] // 2), mask=col_ok[:, None], other=0)
+        q = (packed >> ((k[None, :] % 2) * 4).to(tl.uint8)) & 0x0F                          # [BLOCK_N, BLOCK_K]
+        group = k0 // GROUP_SIZE
+        scale = tl.load(scales_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
+        minimum = tl.load(minimums_ptr + cols * stride_sn + group, mask=col_ok, other=0.0).to(tl.float32)
+        w = q.to(tl.float32) * scale[:, None] + minimum[:, None]
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                 group_size: int, block_m: int = 16, block_n: int = 64) -> torch.Tensor:
+    """Same contract as `kernels.reference.w4a16_matmul`. K must be a multiple of the group size."""
+    device = x.device
+    check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
+    check_tensor("packed", packed, 2, (torch.uint8,), device)
+    check_tensor("scales", scales, 2, SCALE_DTYPES, device)
+    check_tensor("minimums", minimums, 2, SCALE_DTYPES, device)
+    m, k = x.shape
+    n = packed.shape[0]
+    check(packed.shape[1] * 2 == k, f"packed weight covers K={packed.shape[1] * 2}, x has K={k}")
+    check(group_size in (32, 64, 128) and k % group_size == 0, f"group size {group_size} does not divide K={k}")
+    check(tuple(scales.shape) == (n, k // group_size) == tuple(minimums.shape),
+          f"scales/minimums must be {(n, k // group_size)}, got {tuple(scales.shape)}, {tuple(minimums.shape)}")
+    check(scales.stride() == minimums.stride(), "scales and minimums must share strides")
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    block_k = min(group_size, 64)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](x, packed, scales, minimums, out, m, n, k, x.stride(0), packed.stride(0),
+                        scales.stride(0), out.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m,
+                        BLOCK_N=block_n, BLOCK_K=block_k)
+    return out

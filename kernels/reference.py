@@ -1,0 +1,71 @@
+"""Pure-torch oracles of every Triton kernel: the definition each kernel is tested against.
+
+Layouts shared with the kernels:
+- pages: [num_pages, page_size, num_kv_heads, head_dim]; block_tables: [batch, max_pages] int32;
+  FP8 pages carry one scale per KV head (k_scales, v_scales: [num_kv_heads] float32).
+- INT4 weights: packed [N, K // 2] uint8 (even k in the low nibble), scales and minimums [N, K // group],
+  w[n, k] = q * scale + minimum.
+- FP8 weights: values [N, K] e4m3, scales [N] float32, w[n, k] = value * scale.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+
+
+def _dequantize_pages(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    values = pages.float()
+    return values if scales is None else values * scales.float()[:, None]
+
+
+def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [batch, num_heads, head_dim], one query per sequence → [batch, num_heads, head_dim] in q's dtype."""
+    batch, num_heads, _ = q.shape
+    page_size, num_kv_heads = key_pages.shape[1], key_pages.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for b in range(batch):
+        length = int(context_lens[b])
+        pages = block_tables[b, :(length + page_size - 1) // page_size].long()
+        keys = _dequantize_pages(key_pages[pages], k_scales).flatten(0, 1)[:length]       # [L, kv_heads, D]
+        values = _dequantize_pages(value_pages[pages], v_scales).flatten(0, 1)[:length]
+        keys = keys.repeat_interleave(group, dim=1)                                           # [L, heads, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values).to(q.dtype)
+    return out
+
+
+def kv_write(keys: torch.Tensor, values: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+             v_scales: torch.Tensor | None = None) -> None:
+    """Stores [T, kv_heads, head_dim] at flat slots; FP8 pages get x / scale, saturated at ±448."""
+    for new, pages, scales in ((keys, key_pages, k_scales), (values, value_pages, v_scales)):
+        flat = pages.view(-1, *pages.shape[2:])
+        if scales is None:
+            flat[slot_mapping.long()] = new.to(pages.dtype)
+        else:
+            scaled = (new.float() / scales.float()[None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+            flat[slot_mapping.long()] = scaled.to(pages.dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()
+    n, k = q.shape
+    groups = q.reshape(n, k // group_size, group_size)
+    return (groups * scales.float()[..., None] + minimums.float()[..., None]).reshape(n, k)
+
+
+def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [M, K] @ dequantized W [N, K]^T, accumulated in fp32, returned in x's dtype."""
+    return (x.float() @ dequantize_int4(packed, scales, minimums, group_size).t()).to(x.dtype)
+
+
+def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ (values.float() * scales.float()[:, None]).t()).to(x.dtype)

@@ -1,0 +1,59 @@
+"""The Triton kernels on CUDA against the same torch oracles, bf16 included, FP8 writes byte-exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import fp8_case, int4_case, paged_case, relative_error
+from kernels import reference
+from kernels.fp8_matmul import w8a16_matmul
+from kernels.int4_matmul import w4a16_matmul
+from kernels.kv_write import kv_write
+from kernels.paged_attention import paged_decode_attention
+
+DEVICE = "cuda"
+FP8 = torch.float8_e4m3fn
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (9, 3)])
+@pytest.mark.parametrize("head_dim, page_size", [(128, 16), (64, 32)])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                 (FP8, torch.bfloat16), (torch.float32, torch.float32)])
+def test_paged_decode_attention_cuda(heads, head_dim, page_size, page_dtype, q_dtype):
+    case = paged_case(17, *heads, head_dim, page_size, page_dtype, q_dtype, DEVICE, seed=1)
+    out = paged_decode_attention(**case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.paged_decode_attention(**case)) < TOLERANCE[q_dtype]
+
+
+@pytest.mark.parametrize("page_dtype", [torch.bfloat16, FP8])
+def test_kv_write_cuda_is_byte_exact(page_dtype):
+    generator = torch.Generator().manual_seed(0)
+    new_k = (torch.randn(37, 8, 128, generator=generator) * 3).to(DEVICE, torch.bfloat16)
+    new_v = torch.randn(37, 8, 128, generator=generator).to(DEVICE, torch.bfloat16)
+    slots = torch.randperm(64 * 16, generator=generator)[:37].to(DEVICE)
+    scales = (torch.rand(8, generator=generator) * 0.01 + 0.002).to(DEVICE) if page_dtype == FP8 else None
+    pages = [torch.zeros(64, 16, 8, 128, device=DEVICE).to(page_dtype) for _ in range(4)]
+    kv_write(new_k, new_v, pages[0], pages[1], slots, scales, scales)
+    reference.kv_write(new_k, new_v, pages[2], pages[3], slots, scales, scales)
+    assert torch.equal(pages[0].view(torch.uint8), pages[2].view(torch.uint8))
+    assert torch.equal(pages[1].view(torch.uint8), pages[3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 100])
+@pytest.mark.parametrize("n, k, group_size", [(4096, 4096, 128), (576, 576, 32), (1000, 1536, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_matmul_cuda(m, n, k, group_size, dtype):
+    case = int4_case(m, n, k, group_size, dtype, DEVICE, seed=m)
+    out = w4a16_matmul(*case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.w4a16_matmul(*case)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1000, 1536)])
+def test_w8a16_matmul_cuda(m, n, k):
+    case = fp8_case(m, n, k, torch.bfloat16, DEVICE, seed=m)
+    out = w8a16_matmul(*case)
+    assert relative_error(out, reference.w8a16_matmul(*case)) < TOLERANCE[torch.bfloat16]

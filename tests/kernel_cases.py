@@ -1,0 +1,60 @@
+"""Random kernel inputs shared by the CPU (interpreter) and CUDA tests: ragged block tables, partly
+filled last pages, GQA groups that are not powers of two."""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+               page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 5 * page_size, (batch,), generator=generator)
+    lengths[0] = page_size * 2                        # one exactly full last page
+    pages_per_seq = (lengths + page_size - 1) // page_size
+    num_pages = int(pages_per_seq.sum()) + 3
+    order = torch.randperm(num_pages, generator=generator)        # pages scattered over the pool
+    tables = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
+    cursor = 0
+    for b, count in enumerate(pages_per_seq.tolist()):
+        tables[b, :count] = order[cursor:cursor + count].to(torch.int32)
+        cursor += count
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    keys = torch.randn(shape, generator=generator)
+    values = torch.randn(shape, generator=generator)
+    k_scales = v_scales = None
+    if page_dtype == torch.float8_e4m3fn:
+        k_scales = keys.abs().amax(dim=(0, 1, 3)) / reference.FP8_MAX
+        v_scales = values.abs().amax(dim=(0, 1, 3)) / reference.FP8_MAX
+        keys = (keys / k_scales[:, None]).to(page_dtype)
+        values = (values / v_scales[:, None]).to(page_dtype)
+        k_scales, v_scales = k_scales.to(device), v_scales.to(device)
+    else:
+        keys, values = keys.to(page_dtype), values.to(page_dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=generator).to(q_dtype)
+    return dict(q=q.to(device), key_pages=keys.to(device), value_pages=values.to(device),
+                block_tables=tables.to(device), context_lens=lengths.to(device), scale=head_dim ** -0.5,
+                k_scales=k_scales, v_scales=v_scales)
+
+
+def int4_case(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, device: str, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.int32).to(torch.uint8)
+    scales = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.001).to(torch.float16)
+    minimums = (-8 * scales.float() + torch.randn(n, k // group_size, generator=generator) * 0.01).to(torch.float16)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    return [t.to(device) for t in (x, packed, scales, minimums)] + [group_size]
+
+
+def fp8_case(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=generator)
+    scales = w.abs().amax(dim=1) / reference.FP8_MAX
+    values = (w / scales[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    return [x.to(device), values.to(device), scales.to(device)]
