@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernel_backend import use_triton
 from engine.kv_cache import PagedKVCache
 
 
@@ -34,6 +35,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] flat cache slot of every new token
     num_decodes: int
     decode_block_tables: torch.Tensor   # [num_decodes, max_pages], padded with page 0
+    decode_context_lens: torch.Tensor   # [num_decodes]
     decode_mask: torch.Tensor           # [num_decodes, 1, 1, max_pages * page_size]: slot < context length
     prefills: tuple[PrefillChunk, ...]
 
@@ -53,9 +55,20 @@ def chunk_causal_mask(num_tokens: int, context_len: int, device: torch.device) -
 
 def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, num_heads, head_dim] → [T, num_heads, head_dim], keys/values read from the cache."""
+    """q: [T, num_heads, head_dim] → [T, num_heads, head_dim], keys/values read from the cache.
+
+    On CUDA the decodes run the Triton kernel, which reads (and dequantizes) pages in place.
+    """
     out = torch.empty_like(q)
-    if meta.num_decodes:
+    if meta.num_decodes and use_triton(q):
+        from kernels.paged_attention import paged_decode_attention
+
+        key_pages, value_pages = kv_cache.keys[layer], kv_cache.values[layer]
+        k_scales, v_scales = kv_cache.layer_scales(layer)
+        out[:meta.num_decodes] = paged_decode_attention(
+            q[:meta.num_decodes], key_pages, value_pages, meta.decode_block_tables, meta.decode_context_lens,
+            scale, k_scales, v_scales)
+    elif meta.num_decodes:
         n = meta.num_decodes
         keys, values = kv_cache.gather(layer, meta.decode_block_tables, q.dtype)
         keys = keys.flatten(1, 2).transpose(1, 2)                                  # [n, kv_heads, L, D]

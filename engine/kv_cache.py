@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernel_backend import use_triton
 from engine.memory import KVLayout, kv_cache_bytes
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,14 +58,26 @@ class PagedKVCache:
         self.key_scales.copy_(key_scales)
         self.value_scales.copy_(value_scales)
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Stores new tokens' K/V ([T, kv_heads, head_dim]) at their flat slots."""
-        if self.is_fp8:
-            from engine.quant import fp8_per_head_scale, quantize_fp8
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.is_fp8:
+            return None, None
+        return self.key_scales[layer], self.value_scales[layer]
 
-            if self.calibrating:
-                self.key_scales[layer] = fp8_per_head_scale(keys) * KV_SCALE_HEADROOM
-                self.value_scales[layer] = fp8_per_head_scale(values) * KV_SCALE_HEADROOM
+    def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores new tokens' K/V ([T, kv_heads, head_dim]) at their flat slots (Triton on CUDA)."""
+        if self.is_fp8 and self.calibrating:
+            from engine.quant import fp8_per_head_scale
+
+            self.key_scales[layer] = fp8_per_head_scale(keys) * KV_SCALE_HEADROOM
+            self.value_scales[layer] = fp8_per_head_scale(values) * KV_SCALE_HEADROOM
+        if use_triton(keys):
+            from kernels.kv_write import kv_write
+
+            kv_write(keys, values, self.keys[layer], self.values[layer], slot_mapping, *self.layer_scales(layer))
+            return
+        if self.is_fp8:
+            from engine.quant import quantize_fp8
+
             keys = quantize_fp8(keys, self.key_scales[layer][None, :, None])
             values = quantize_fp8(values, self.value_scales[layer][None, :, None])
         self.keys[layer].view(-1, *keys.shape[1:])[slot_mapping] = keys.to(self.keys.dtype)

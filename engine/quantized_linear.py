@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernel_backend import use_triton
 from engine.memory import WeightFormat
 from engine.quant import (SYMMETRIC_OFFSET, Fp8Weight, Int4Weight, dequantize_fp8_weight, dequantize_int4,
                           quantize_fp8_weight, quantize_int4, unpack_int4)
@@ -17,6 +18,7 @@ CPU_INT4_INNER_K_TILES = 2
 CPU_INT4_ROW_MULTIPLE = 16     # torch's CPU int4 kernel packs output rows in blocks of 16
 CPU_INT4_KERNEL_MAX_ROWS = 32  # beyond this (prefill) the step is compute-bound: dequantize, float matmul
 CPU_INT4_ACTIVATIONS = torch.bfloat16   # the CPU kernel is vectorised for bf16 activations only (~30x fp32)
+TRITON_MAX_ROWS = 64           # on CUDA, the fused-dequantization GEMMs serve memory-bound (decode) steps
 
 
 class Int4Linear(nn.Module):
@@ -24,7 +26,8 @@ class Int4Linear(nn.Module):
 
     On CPU, memory-bound steps (few rows: decode) run torch's int4 kernel (`_weight_int4pack_mm_for_cpu`)
     on bf16 activations; its grid is w = (q - 8) * scale + zero, i.e. zero = minimum + 8 * scale.
-    Compute-bound steps (prefill) and other devices dequantize to the compute dtype and run a float matmul.
+    On CUDA, decode steps run the Triton W4A16 kernel. Compute-bound steps (prefill) dequantize to the
+    compute dtype and run a float matmul.
     """
 
     def __init__(self, weight: Int4Weight) -> None:
@@ -51,6 +54,13 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS:
+            from kernels.int4_matmul import w4a16_matmul
+
+            weight = self.weight_int4
+            out = w4a16_matmul(flat.contiguous(), weight.packed, weight.scales, weight.group_minimums(),
+                               self.group_size)
+            return out.reshape(*x.shape[:-1], self.out_features)
         if (x.device.type == "cpu" and flat.shape[0] <= CPU_INT4_KERNEL_MAX_ROWS
                 and self.out_features % CPU_INT4_ROW_MULTIPLE == 0):
             packed, scales_and_zeros = self._cpu_operands(CPU_INT4_ACTIVATIONS)
@@ -61,7 +71,10 @@ class Int4Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """W8A16: e4m3 weights with a scale per output channel, activations in the compute dtype."""
+    """W8A16: e4m3 weights with a scale per output channel, activations in the compute dtype.
+
+    On CUDA, decode steps run the Triton W8A16 kernel; otherwise the weight is widened for a float matmul.
+    """
 
     def __init__(self, weight: Fp8Weight) -> None:
         super().__init__()
@@ -70,8 +83,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scales", weight.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype)
-        return F.linear(x, weight)
+        flat = x.reshape(-1, self.in_features)
+        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS:
+            from kernels.fp8_matmul import w8a16_matmul
+
+            out = w8a16_matmul(flat.contiguous(), self.values, self.scales.float())
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype))
 
 
 def quantize_linear(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:

@@ -66,6 +66,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             num_decodes=len(decode_tables),
             decode_block_tables=self._tensor(padded).reshape(len(decode_tables), width),
+            decode_context_lens=self._tensor(decode_lens),
             decode_mask=decode_mask(self._tensor(decode_lens), width, page_size),
             prefills=tuple(prefills),
         )

@@ -36,7 +36,7 @@ def test_kv_write(page_dtype, tokens):
     num_pages, page_size, heads, dim = 6, 8, 3, 40
     generator = torch.Generator().manual_seed(tokens)
     new_k = torch.randn(tokens, heads, dim, generator=generator) * 3
-    new_v = torch.randn(tokens, heads, dim, generator=generator)
+    new_v = torch.randn(tokens, 2 * heads, dim, generator=generator)[:, 1::2]     # strided, as the engine's
     slots = torch.randperm(num_pages * page_size, generator=generator)[:tokens]
     scales = (torch.rand(heads, generator=generator) * 0.01 + 0.002) if page_dtype == FP8 else None
     pages = [torch.zeros(num_pages, page_size, heads, dim).to(page_dtype) for _ in range(4)]
