@@ -92,22 +92,23 @@ class Fp8Linear(nn.Module):
         return F.linear(x, dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype))
 
 
-def quantize_linear(linear: nn.Linear, fmt: WeightFormat) -> nn.Module:
+def quantize_linear(linear: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:
     if linear.bias is not None:
         raise ValueError("quantized layers here have no bias; Llama-family linears have none")
     if fmt.dtype == "int4":
-        return Int4Linear(quantize_int4(linear.weight.data, fmt))
+        return Int4Linear(quantize_int4(linear.weight.data, fmt, search))
     if fmt.dtype == "fp8":
         return Fp8Linear(quantize_fp8_weight(linear.weight.data))
     raise ValueError(f"{fmt.dtype!r} is not a quantized format")
 
 
-def quantize_linears(model: nn.Module, fmt: WeightFormat) -> nn.Module:
-    """Replaces every nn.Linear of the decoder layers in place; returns the model."""
+def quantize_linears(model: nn.Module, fmt: WeightFormat, search: bool = False) -> nn.Module:
+    """Replaces every nn.Linear of the decoder layers in place; returns the model. `search` turns on the
+    INT4 clipping search (see engine.quant.quantize_int4)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name != "lm_head":
-                setattr(module, name, quantize_linear(child, fmt))
+                setattr(module, name, quantize_linear(child, fmt, search))
     return model
 
 

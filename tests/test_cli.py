@@ -26,9 +26,15 @@ def test_info_json_is_exact():
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
     per_token = 2 * 30 * 3 * 64 * 2
-    assert payload == {"weight_bytes": 134_515_008 * 4, "kv_bytes_per_token": per_token, "page_size": 32,
-                       "kv_pages": (2 << 30) // (32 * per_token),
-                       "kv_capacity_tokens": (2 << 30) // (32 * per_token) * 32}
+    pages = (2 << 30) // (32 * per_token)
+    assert {key: payload[key] for key in ("weight_bytes", "kv_bytes_per_token", "page_size", "kv_pages",
+                                          "kv_capacity_tokens", "kv_scale_bytes")} == {
+        "weight_bytes": 134_515_008 * 4, "kv_bytes_per_token": per_token, "page_size": 32, "kv_pages": pages,
+        "kv_capacity_tokens": pages * 32, "kv_scale_bytes": 0}
+    linear = 30 * (576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3)
+    assert payload["linear_weight_bytes"] == linear * 4
+    assert payload["weight_bytes_by_dtype"]["bf16"]["linear"] == linear * 2
+    assert payload["weight_bytes_by_dtype"]["fp8"]["linear"] == linear + 30 * (576 * 2 + 192 * 2 + 1536 * 2 + 576) * 4
 
 
 @pytest.fixture(scope="module")

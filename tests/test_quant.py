@@ -114,3 +114,11 @@ def test_swap_replaces_decoder_linears_and_bytes_match_the_memory_model():
         kinds = {type(m).__name__ for m in model.modules()}
         assert "Linear" not in kinds
         assert linear_weight_bytes(model) == model_weight_bytes(config.linear_shapes(), 2, 0, fmt, "fp32")
+
+
+def test_fp8_on_a_torch_without_it_is_a_clear_error(monkeypatch):
+    import engine.quant as quant
+
+    monkeypatch.setattr(quant, "FP8_DTYPE", None)
+    with pytest.raises(ConfigError, match="has no float8_e4m3fn"):
+        quant.quantize_fp8(torch.ones(2), torch.tensor(1.0))
