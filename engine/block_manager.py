@@ -43,9 +43,6 @@ class BlockManager:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def has(self, seq_id: int) -> bool:
-        return seq_id in self._tables
-
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables[seq_id])
 

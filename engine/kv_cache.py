@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.dtypes import TORCH_DTYPES
 from engine.kernel_backend import use_triton
 from engine.memory import KVLayout, kv_cache_bytes
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from engine.quant import fp8_per_head_scale, quantize_fp8, require_fp8
 
 
 class PagedKVCache:
@@ -28,8 +28,6 @@ class PagedKVCache:
         self.is_fp8 = layout.dtype == "fp8"
         shape = (layout.num_layers, num_pages, page_size, layout.num_kv_heads, layout.head_dim)
         if self.is_fp8:
-            from engine.quant import require_fp8
-
             dtype = require_fp8()
             scales = torch.ones(layout.num_layers, layout.num_kv_heads, dtype=torch.float32, device=device)
             self.key_scales, self.value_scales = scales, scales.clone()
@@ -66,8 +64,6 @@ class PagedKVCache:
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores new tokens' K/V ([T, kv_heads, head_dim]) at their flat slots (Triton on CUDA)."""
         if self.is_fp8 and self.calibrating:
-            from engine.quant import fp8_per_head_scale
-
             self.key_scales[layer] = fp8_per_head_scale(keys)
             self.value_scales[layer] = fp8_per_head_scale(values)
         if use_triton(keys):
@@ -76,8 +72,6 @@ class PagedKVCache:
             kv_write(keys, values, self.keys[layer], self.values[layer], slot_mapping, *self.layer_scales(layer))
             return
         if self.is_fp8:
-            from engine.quant import quantize_fp8
-
             keys = quantize_fp8(keys, self.key_scales[layer][None, :, None])
             values = quantize_fp8(values, self.value_scales[layer][None, :, None])
         self.keys[layer].view(-1, *keys.shape[1:])[slot_mapping] = keys.to(self.keys.dtype)

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, RopeConfig
 from engine.errors import EngineError, LoaderError
-from engine.kv_cache import TORCH_DTYPES
+from engine.dtypes import TORCH_DTYPES
 from engine.memory import WeightFormat, model_weight_bytes, weight_bytes
 from engine.model import LlamaModel, RotaryEmbedding
 from engine.quant import Int4Weight, int4_from_gguf_q4_1

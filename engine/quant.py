@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
-from engine.kv_cache import TORCH_DTYPES
+from engine.dtypes import TORCH_DTYPES
 from engine.memory import FP8_WEIGHT_SCALE_DTYPE, WeightFormat
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
