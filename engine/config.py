@@ -5,11 +5,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.memory import FLOAT_DTYPES, INT4_GROUP_SIZES
 
-FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 KV_DTYPES = (*FLOAT_DTYPES, "fp8")
 WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
-GROUP_SIZES = (32, 64, 128)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -193,8 +192,8 @@ class EngineConfig:
         _require(self.compute_dtype is None or self.weights not in FLOAT_DTYPES
                  or self.compute_dtype == self.weights,
                  f"float weights ({self.weights}) compute in their own dtype, not {self.compute_dtype!r}")
-        _require(self.group_size in GROUP_SIZES,
-                 f"group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size!r}")
+        _require(self.group_size in INT4_GROUP_SIZES,
+                 f"group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {self.group_size!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
         if self.num_pages is not None:

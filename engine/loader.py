@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig, RopeConfig
-from engine.errors import EngineError, LoaderError
 from engine.dtypes import TORCH_DTYPES
+from engine.errors import EngineError, LoaderError
 from engine.memory import WeightFormat, model_weight_bytes, weight_bytes
 from engine.model import LlamaModel, RotaryEmbedding
 from engine.quant import Int4Weight, int4_from_gguf_q4_1

@@ -11,6 +11,7 @@ from engine.errors import ConfigError
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
+INT4_GROUP_SIZES = (32, 64, 128)
 GIB = 1 << 30
 KV_SCALE_DTYPE = "fp32"        # one static scale per (layer, KV head) for K and for V
 FP8_WEIGHT_SCALE_DTYPE = "fp32"  # per output channel; fp16 would underflow for rows with small weights
@@ -96,8 +97,9 @@ class WeightFormat:
     def __post_init__(self) -> None:
         if self.dtype not in (*FLOAT_DTYPES, "fp8", "int4"):
             raise ConfigError(f"unknown weight dtype {self.dtype!r} (choose from fp32, bf16, fp16, fp8, int4)")
-        if self.group_size not in (32, 64, 128):
-            raise ConfigError(f"group size must be 32, 64 or 128, got {self.group_size!r}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                              f"got {self.group_size!r}")
         if self.scale_dtype not in ("fp16", "bf16", "fp32"):
             raise ConfigError(f"unknown scale dtype {self.scale_dtype!r}")
 

@@ -37,20 +37,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("minimums", weight.minimums)       # None for a symmetric grid
-        self._cpu_kernel: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None
+        self._cpu_kernel: tuple[torch.Tensor, torch.Tensor] | None = None   # torch's repacking, made once
 
     @property
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.packed, self.scales, self.minimums, self.group_size)
 
-    def _cpu_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cpu_kernel is None or self._cpu_kernel[2] != dtype:
+    def _cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cpu_kernel is None:
             q = unpack_int4(self.packed).to(torch.int32)
             packed = torch._convert_weight_to_int4pack_for_cpu(q, CPU_INT4_INNER_K_TILES)
             zeros = self.weight_int4.group_minimums().float() + SYMMETRIC_OFFSET * self.scales.float()
             scales_and_zeros = torch.stack([self.scales.float(), zeros], dim=-1).transpose(0, 1).contiguous()
-            self._cpu_kernel = (packed, scales_and_zeros.to(dtype), dtype)
-        return self._cpu_kernel[0], self._cpu_kernel[1]
+            self._cpu_kernel = (packed, scales_and_zeros.to(CPU_INT4_ACTIVATIONS))
+        return self._cpu_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -63,7 +63,7 @@ class Int4Linear(nn.Module):
             return out.reshape(*x.shape[:-1], self.out_features)
         if (x.device.type == "cpu" and flat.shape[0] <= CPU_INT4_KERNEL_MAX_ROWS
                 and self.out_features % CPU_INT4_ROW_MULTIPLE == 0):
-            packed, scales_and_zeros = self._cpu_operands(CPU_INT4_ACTIVATIONS)
+            packed, scales_and_zeros = self._cpu_operands()
             out = torch._weight_int4pack_mm_for_cpu(flat.to(CPU_INT4_ACTIVATIONS), packed, self.group_size,
                                                      scales_and_zeros)
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

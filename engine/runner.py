@@ -62,12 +62,13 @@ class ModelRunner:
                                              chunk_causal_mask(item.num_new_tokens, item.end, self.device)))
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        context_lens = self._tensor(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=len(decode_tables),
             decode_block_tables=self._tensor(padded).reshape(len(decode_tables), width),
-            decode_context_lens=self._tensor(decode_lens),
-            decode_mask=decode_mask(self._tensor(decode_lens), width, page_size),
+            decode_context_lens=context_lens,
+            decode_mask=decode_mask(context_lens, width, page_size),
             prefills=tuple(prefills),
         )
         return self._tensor(token_ids), self._tensor(positions), meta
