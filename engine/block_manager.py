@@ -12,12 +12,29 @@ its pages in token order; slot `t` of the sequence lives in page `table[t // pag
 Every mutating method has a paired `can_*` that says whether it would succeed; calling the mutator when
 its `can_*` is false is a bug of the caller and raises `OutOfPages`. Pages carry reference counts and go
 back to the free list when the count drops to zero.
+
+For the integrity checks (`engine.integrity`) every page also has an epoch that changes each time it is
+freed; a block table records the epoch at which it got each page (its lease), and an optional
+`PageGuard` hears of every grant and release, so that a table that still names a page after its
+release, or a page of someone else, can be told from a valid one. With a guard, freeing a table releases
+the pages the guard says the sequence holds and quarantines the entries it rejects: quarantined pages
+never go back to the free list.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from engine.memory import pages_for_tokens
+
+
+class PageGuard(Protocol):
+    def granted(self, seq_id: int, page: int, epoch: int) -> None: ...
+
+    def released(self, page: int, epoch: int) -> None: ...
+
+    def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
+        """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
 
 
 class OutOfPages(RuntimeError):
@@ -33,7 +50,11 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_pages))
         self._ref_counts = [0] * num_pages
         self._tables: dict[int, list[int]] = {}
+        self._leases: dict[int, list[int]] = {}     # epoch of each page of a table when it was granted
         self._num_slots: dict[int, int] = {}
+        self._epochs = [0] * num_pages
+        self.quarantined: set[int] = set()
+        self.guard: PageGuard | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -45,6 +66,10 @@ class BlockManager:
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables[seq_id])
+
+    def leases(self, seq_id: int) -> list[int]:
+        """The epoch at which the sequence got each page of its block table, in table order."""
+        return list(self._leases[seq_id])
 
     def num_slots(self, seq_id: int) -> int:
         """Token slots reserved for the sequence (its cached tokens plus those scheduled now)."""
@@ -67,6 +92,7 @@ class BlockManager:
         if not self.can_allocate(num_tokens):
             raise OutOfPages(f"{num_tokens} tokens need more than the {len(self._free)} free pages")
         self._tables[seq_id] = []
+        self._leases[seq_id] = []
         self._num_slots[seq_id] = 0
         return self.append(seq_id, num_tokens)
 
@@ -80,18 +106,45 @@ class BlockManager:
             raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {len(self._free)} are free")
         new_pages = [self._free.popleft() for _ in range(needed)]
         for page in new_pages:
-            self._ref_counts[page] += 1
-        self._tables[seq_id].extend(new_pages)
+            self._grant(seq_id, page)
         self._num_slots[seq_id] += num_new_tokens
         return new_pages
 
+    def _grant(self, seq_id: int, page: int) -> None:
+        self._ref_counts[page] += 1
+        self._tables[seq_id].append(page)
+        self._leases[seq_id].append(self._epochs[page])
+        if self.guard is not None:
+            self.guard.granted(seq_id, page, self._epochs[page])
+
+    def _release(self, page: int) -> None:
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] == 0:
+            self._epochs[page] += 1
+            if self.guard is not None:
+                self.guard.released(page, self._epochs[page])
+            if page not in self.quarantined:
+                self._free.append(page)
+
     def free(self, seq_id: int) -> None:
         """Releases all pages of a sequence; a sequence without pages is a no-op."""
-        for page in self._tables.pop(seq_id, ()):
-            self._ref_counts[page] -= 1
-            if self._ref_counts[page] == 0:
-                self._free.append(page)
+        table = self._tables.pop(seq_id, [])
+        leases = self._leases.pop(seq_id, [])
         self._num_slots.pop(seq_id, None)
+        if self.guard is not None and table:
+            table, suspects = self.guard.audit(seq_id, table, leases)
+            self.quarantine(suspects)
+        for page in table:
+            if self._ref_counts[page] > 0:
+                self._release(page)
+
+    def quarantine(self, pages: list[int]) -> None:
+        """Takes pages out of circulation: whoever holds one keeps it, but it never returns to the free list."""
+        for page in pages:
+            if 0 <= page < self.num_pages and page not in self.quarantined:
+                self.quarantined.add(page)
+                if page in self._free:
+                    self._free.remove(page)
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the accounting is inconsistent; for tests and debugging."""
@@ -104,5 +157,8 @@ class BlockManager:
             for page in table:
                 held[page] = held.get(page, 0) + 1
         for page in range(self.num_pages):
+            if page in self.quarantined:
+                assert page not in free, f"quarantined page {page} is on the free list"
+                continue
             assert self._ref_counts[page] == held.get(page, 0), f"page {page} has a wrong reference count"
             assert (page in free) == (self._ref_counts[page] == 0), f"page {page} is both free and held"

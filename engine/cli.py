@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any, NoReturn
 
-from engine.config import KV_DTYPES, WEIGHT_DTYPES, EngineConfig
+from engine.config import INTEGRITY_MODES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
 from engine.errors import EngineError, RequestError
 
 EXIT_BAD_INPUT = 2
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     generate.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    generate.add_argument("--integrity", choices=INTEGRITY_MODES, default="ownership",
+                          help="KV-cache integrity checks: off, ownership (page owners checked every step) "
+                               "or full (also page checksums)")
 
     info = commands.add_parser("info", help="memory arithmetic of a model: weights, KV per token, pages")
     _engine_options(info)
@@ -79,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise RequestError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(engine_config(args, device=args.device))
+    llm = LLM(engine_config(args, device=args.device, integrity=args.integrity))
     prompt = args.prompt
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

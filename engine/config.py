@@ -9,6 +9,7 @@ from engine.memory import FLOAT_DTYPES, INT4_GROUP_SIZES
 
 KV_DTYPES = (*FLOAT_DTYPES, "fp8")
 WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
+INTEGRITY_MODES = ("off", "ownership", "full")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -180,9 +181,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    integrity: str = "ownership"
+    integrity_sample_pages: int = 0         # sealed pages verified per step in `full` mode; 0 = all
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _require(self.integrity in INTEGRITY_MODES,
+                 f"unknown integrity mode {self.integrity!r} (choose from {', '.join(INTEGRITY_MODES)})")
+        _require(isinstance(self.integrity_sample_pages, int) and self.integrity_sample_pages >= 0,
+                 f"integrity_sample_pages must be a non-negative integer, got {self.integrity_sample_pages!r}")
         _require(self.weights in WEIGHT_DTYPES,
                  f"unknown weights dtype {self.weights!r} (choose from {', '.join(WEIGHT_DTYPES)})")
         _require(self.kv_dtype is None or self.kv_dtype in KV_DTYPES,

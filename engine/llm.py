@@ -1,6 +1,7 @@
 """`LLM`: the engine's public face, with `generate()` and a step-level API for serving loops."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -9,16 +10,19 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.errors import ConfigError, RequestError
+from engine.integrity import IntegrityChecker
 from engine.kv_cache import PagedKVCache
 from engine.loader import load_model
 from engine.memory import GIB, KVLayout, WeightFormat, kv_bytes_per_token, kv_pages_for_budget
 from engine.runner import ModelRunner
-from engine.scheduler import ScheduledSequence, Scheduler
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, SamplingParams, Sequence
 from engine.tokenizer import Tokenizer
 
 CPU_DEFAULT_KV_GIB = 1.0
 KV_CALIBRATION_TOKENS = 512
+
+log = logging.getLogger("engine.integrity")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
+        self.integrity = None if config.integrity == "off" else IntegrityChecker(
+            config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed)
         if self.kv_cache.is_fp8:
             self.calibrate_kv_scales()
 
@@ -112,6 +118,8 @@ class LLM:
             self.score(token_ids)
         finally:
             self.kv_cache.calibrating = False
+        if self.integrity is not None:
+            self.integrity.trust_scales()
 
     @property
     def capacity_tokens(self) -> int:
@@ -182,12 +190,32 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the requests that finished in it."""
+        """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
         output = self.scheduler.schedule()
+        aborted = [] if self.integrity is None else self._enforce_integrity(output)
         if output.is_empty:
-            return []
+            return aborted
         sampled = self.runner.execute(output)
-        return [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+        if self.integrity is not None:
+            self.integrity.seal(output.scheduled)
+        return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _enforce_integrity(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """Aborts, before the step runs, every request whose pages fail a check; the others go on."""
+        violations = self.integrity.take_violations() + self.integrity.check(output.scheduled)
+        if not violations:
+            return []
+        aborted = []
+        for violation in violations:
+            log.error("integrity violation: %s", violation.describe())
+            if violation.kind == "checksum":
+                self.block_manager.quarantine([violation.page])
+            seq = self.scheduler.abort(violation.seq_id, FinishReason.INTEGRITY_ERROR)
+            if seq is not None:
+                aborted.append(self._finish(seq))
+        self.integrity.take_violations()      # the aborted tables' own bad entries again, reported above
+        output.scheduled = [item for item in output.scheduled if not item.seq.is_finished]
+        return aborted
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self.runner.release(seq.seq_id)

@@ -70,14 +70,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """Removes a sequence wherever it is and frees its pages; returns it, or None if unknown."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
                     self.block_manager.free(seq_id)
-                    seq.finish(FinishReason.ABORT)
+                    seq.finish(reason)
                     return seq
         return None
 

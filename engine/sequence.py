@@ -46,6 +46,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"              # an end-of-sequence or stop token
     LENGTH = "length"          # max_tokens or the model's context reached
     ABORT = "abort"            # aborted through the step API
+    INTEGRITY_ERROR = "integrity_error"   # a KV-cache integrity check failed: aborted before answering
 
 
 _ids = itertools.count()

@@ -69,3 +69,14 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
 
 def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (x.float() @ (values.float() * scales.float()[:, None]).t()).to(x.dtype)
+
+
+def ownership_check(entries: torch.Tensor, owners: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
+    """entries: [3, n] int64 rows (page, expected owner, expected epoch) → [n] bool, True where an entry fails.
+
+    An entry fails when its page is out of range, owned by someone else, or granted at another epoch.
+    """
+    pages, expected_owners, expected_epochs = entries
+    in_range = (pages >= 0) & (pages < owners.shape[0])
+    safe = torch.where(in_range, pages, 0)
+    return ~in_range | (owners[safe] != expected_owners) | (epochs[safe] != expected_epochs)

@@ -58,3 +58,19 @@ def fp8_case(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int)
     values = (w / scales[:, None]).to(torch.float8_e4m3fn)
     x = torch.randn(m, k, generator=generator).to(dtype)
     return [x.to(device), values.to(device), scales.to(device)]
+
+
+def ownership_case(num_entries: int, num_pages: int, device: str, seed: int):
+    """A random ownership table and entries of which about a third fail in each way (owner, epoch, range)."""
+    generator = torch.Generator().manual_seed(seed)
+    owners = torch.randint(-1, 40, (num_pages,), generator=generator)
+    epochs = torch.randint(0, 9, (num_pages,), generator=generator)
+    pages = torch.randint(0, num_pages, (num_entries,), generator=generator)
+    expected_owners, expected_epochs = owners[pages].clone(), epochs[pages].clone()
+    fate = torch.randint(0, 6, (num_entries,), generator=generator)
+    expected_owners[fate == 1] += 1
+    expected_epochs[fate == 2] -= 1
+    pages[fate == 3] = num_pages + pages[fate == 3]
+    pages[fate == 4] = -1 - pages[fate == 4]
+    entries = torch.stack([pages, expected_owners, expected_epochs])
+    return {"entries": entries.to(device), "owners": owners.to(device), "epochs": epochs.to(device)}, fate

@@ -7,11 +7,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import fp8_case, int4_case, paged_case, relative_error  # noqa: E402
+from kernel_cases import fp8_case, int4_case, ownership_case, paged_case, relative_error  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.fp8_matmul import w8a16_matmul  # noqa: E402
 from kernels.int4_matmul import w4a16_matmul  # noqa: E402
 from kernels.kv_write import kv_write  # noqa: E402
+from kernels.ownership_check import ownership_check  # noqa: E402
 from kernels.paged_attention import paged_decode_attention  # noqa: E402
 
 DEVICE = "cpu"
@@ -87,3 +88,11 @@ def test_wrappers_reject_bad_arguments():
         w4a16_matmul(x, packed, scales, minimums, 48)
     with pytest.raises(ValueError, match="contiguous"):
         w4a16_matmul(torch.randn(64, 4).t(), packed, scales, minimums, 32)
+
+
+@pytest.mark.parametrize("num_entries, num_pages", [(1, 1), (37, 11), (300, 97), (0, 5)])
+def test_ownership_check(num_entries, num_pages):
+    case, fate = ownership_case(num_entries, num_pages, DEVICE, seed=num_entries)
+    bad = ownership_check(**case)
+    assert torch.equal(bad, reference.ownership_check(**case))
+    assert torch.equal(bad.cpu(), (fate >= 1) & (fate <= 4))

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import fp8_case, int4_case, paged_case, relative_error
+from kernel_cases import fp8_case, int4_case, ownership_case, paged_case, relative_error
 from kernels import reference
 from kernels.fp8_matmul import w8a16_matmul
 from kernels.int4_matmul import w4a16_matmul
 from kernels.kv_write import kv_write
+from kernels.ownership_check import ownership_check
 from kernels.paged_attention import paged_decode_attention
 
 DEVICE = "cuda"
@@ -57,3 +58,11 @@ def test_w8a16_matmul_cuda(m, n, k):
     case = fp8_case(m, n, k, torch.bfloat16, DEVICE, seed=m)
     out = w8a16_matmul(*case)
     assert relative_error(out, reference.w8a16_matmul(*case)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_entries, num_pages", [(1, 1), (37, 11), (300, 97), (0, 5)])
+def test_ownership_check_cuda(num_entries, num_pages):
+    case, fate = ownership_case(num_entries, num_pages, DEVICE, seed=num_entries)
+    bad = ownership_check(**case)
+    assert torch.equal(bad, reference.ownership_check(**case))
+    assert torch.equal(bad.cpu(), (fate >= 1) & (fate <= 4))

@@ -1,0 +1,235 @@
+"""KV-cache integrity: every request may read and write only its own pages.
+
+The block manager's tables are what the step reads through; a bug there (a page used after its free, a
+stale or foreign entry, one page handed to two requests) or corrupted page memory would make a request
+answer from someone else's context. This module keeps an independent record on the device and checks
+the step against it before the step runs:
+
+    ownership table (device)    page:    0   1   2   3   4   5
+                                owner:   7  -1   9   7  -1   9      (-1: free)
+                                epoch:   3   5   1   2   4   1      (bumped on every free)
+    block tables of the batch   seq 7: (page 0, epoch 3) (page 3, epoch 2)          ok
+                                seq 9: (page 2, epoch 1) (page 1, epoch 4)          page 1 is free: abort 9
+
+Modes: `off` (no record, nothing on the hot path), `ownership` (the check above, one vectorized
+operation per step, a Triton kernel on CUDA) and `full`: also a checksum of every page's K/V bytes taken
+when the page fills up (sealed) and verified when a step reads it (all pages, or a random sample per
+step), and, for FP8 pages, the per-(layer, head) scales compared with their trusted copy.
+
+A request whose check fails is aborted before the step (finish reason `integrity_error`); its suspect
+pages are quarantined and never return to the free pool; the others go on. Its pages are released
+according to the ownership table, not its (untrusted) block table.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import INTEGRITY_MODES
+from engine.kv_cache import PagedKVCache
+from engine.scheduler import ScheduledSequence
+
+FREE = -1
+CHECKSUM_CHUNK_PAGES = 64
+CHECKSUM_WEIGHT_LIMIT = 1 << 14     # odd weights below 2**15 keep every sum of int32 words inside int64
+
+log = logging.getLogger("engine.integrity")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One failed check. `page` is None for a corrupted FP8 scale, which concerns every page."""
+
+    seq_id: int
+    kind: str                   # "ownership" | "checksum" | "fp8_scale"
+    page: int | None
+    expected_owner: int | None = None
+    found_owner: int | None = None
+    expected_epoch: int | None = None
+    found_epoch: int | None = None
+
+    def describe(self) -> str:
+        if self.kind == "ownership":
+            return (f"request {self.seq_id}: page {self.page} expected owner {self.expected_owner} epoch "
+                    f"{self.expected_epoch}, found owner {self.found_owner} epoch {self.found_epoch}")
+        if self.kind == "checksum":
+            return f"request {self.seq_id}: sealed page {self.page} (owner {self.found_owner}) fails its checksum"
+        return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy"
+
+
+def checksum_weights(words_per_page: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """Odd weights: a flipped bit b of word i changes the sum by ±w_i·2^b, never by zero."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randint(0, CHECKSUM_WEIGHT_LIMIT, (words_per_page,), generator=generator) * 2 + 1
+    return weights.to(device)
+
+
+def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One int64 checksum per page over its K and V bytes in every layer, in chunks to bound memory."""
+    sums = []
+    for chunk in pages.split(CHECKSUM_CHUNK_PAGES):
+        words = [pool[:, chunk].transpose(0, 1).reshape(len(chunk), -1).view(torch.int32)
+                 for pool in (kv_cache.keys, kv_cache.values)]
+        sums.append((torch.cat(words, dim=1).to(torch.int64) * weights).sum(dim=1))
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=pages.device)
+
+
+def words_per_page(kv_cache: PagedKVCache) -> int:
+    pool = kv_cache.keys
+    return 2 * pool.shape[0] * pool[0, 0].numel() * pool.element_size() // 4
+
+
+class IntegrityChecker:
+    """The device record of who owns which page, and the checks of a step against it.
+
+    It is the block manager's guard: the manager reports every grant and release to it, and asks it,
+    when freeing a table, which pages the sequence really holds.
+    """
+
+    def __init__(self, mode: str, block_manager: BlockManager, kv_cache: PagedKVCache,
+                 sample_pages: int = 0, seed: int = 0) -> None:
+        if mode not in INTEGRITY_MODES[1:]:
+            raise ValueError(f"unknown integrity mode {mode!r} (choose from {', '.join(INTEGRITY_MODES)})")
+        self.mode = mode
+        self.block_manager = block_manager
+        self.kv_cache = kv_cache
+        self.sample_pages = sample_pages
+        device = kv_cache.keys.device
+        self.device = device
+        num_pages = block_manager.num_pages
+        self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
+        self._pending: dict[int, tuple[int, int]] = {}
+        self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
+        self.full = mode == "full"
+        if self.full:
+            self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)
+            self.checksums = torch.zeros(num_pages, dtype=torch.int64, device=device)
+            self.weights = checksum_weights(words_per_page(kv_cache), device, seed)
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+            self.trust_scales()
+        block_manager.guard = self
+
+    # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
+    def granted(self, seq_id: int, page: int, epoch: int) -> None:
+        self._pending[page] = (seq_id, epoch)
+
+    def released(self, page: int, epoch: int) -> None:
+        self._pending[page] = (FREE, epoch)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pages = torch.tensor(list(self._pending), dtype=torch.int64, device=self.device)
+        values = torch.tensor(list(self._pending.values()), dtype=torch.int64, device=self.device)
+        self.owners[pages] = values[:, 0]
+        self.epochs[pages] = values[:, 1]
+        if self.full:
+            self.sealed[pages] = False
+        self._pending.clear()
+
+    def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
+        """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
+        self._flush()
+        bad = self._failing(self._entries([(seq_id, pages, leases)]))
+        suspects = [pages[i] for i in bad]
+        for i in bad:
+            self.violations.append(self._ownership_violation(seq_id, pages[i], leases[i]))
+        return self.owned_by(seq_id), suspects
+
+    def ownership(self) -> tuple[list[int], list[int]]:
+        """(owner, epoch) of every page as the device holds them; for tests and debugging."""
+        self._flush()
+        return self.owners.tolist(), self.epochs.tolist()
+
+    def owned_by(self, seq_id: int) -> list[int]:
+        self._flush()
+        return torch.nonzero(self.owners == seq_id).flatten().tolist()
+
+    def _entries(self, tables: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
+        pages, owners, leases = [], [], []
+        for seq_id, table, table_leases in tables:
+            pages.extend(table)
+            leases.extend(table_leases)
+            owners.extend([seq_id] * len(table))
+        return torch.tensor([pages, owners, leases], dtype=torch.int64).reshape(3, -1).to(self.device)
+
+    def _failing(self, entries: torch.Tensor) -> list[int]:
+        if entries.device.type == "cuda":
+            from kernels.ownership_check import ownership_check
+        else:
+            from kernels.reference import ownership_check
+        bad = ownership_check(entries, self.owners, self.epochs)
+        return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
+
+    def _ownership_violation(self, seq_id: int, page: int, lease: int) -> Violation:
+        in_range = 0 <= page < self.block_manager.num_pages
+        return Violation(seq_id, "ownership", page, seq_id, int(self.owners[page]) if in_range else None,
+                         lease, int(self.epochs[page]) if in_range else None)
+
+    def take_violations(self) -> list[Violation]:
+        found, self.violations = self.violations, []
+        return found
+
+    def check(self, items: list[ScheduledSequence]) -> list[Violation]:
+        """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs."""
+        self._flush()
+        tables = [(item.seq.seq_id, self.block_manager.block_table(item.seq.seq_id),
+                   self.block_manager.leases(item.seq.seq_id)) for item in items]
+        entries = self._entries(tables)
+        bad = self._failing(entries)
+        found = [self._ownership_violation(int(entries[1, i]), int(entries[0, i]), int(entries[2, i]))
+                 for i in bad]
+        if self.full:
+            found += self._verify_pages(entries, bad)
+            found += self._verify_scales()
+        return found
+
+    def _verify_pages(self, entries: torch.Tensor, failed: list[int]) -> list[Violation]:
+        ok = torch.ones(entries.shape[1], dtype=torch.bool, device=self.device)
+        ok[failed] = False
+        candidates = torch.nonzero(ok & self.sealed[torch.where(ok, entries[0], 0)]).flatten()
+        if self.sample_pages and len(candidates) > self.sample_pages:
+            pick = torch.randperm(len(candidates), generator=self._generator, device=self.device)
+            candidates = candidates[pick[:self.sample_pages]]
+        if not len(candidates):
+            return []
+        pages = entries[0, candidates]
+        mismatched = page_checksums(self.kv_cache, pages, self.weights) != self.checksums[pages]
+        return [Violation(int(entries[1, i]), "checksum", int(entries[0, i]), found_owner=int(entries[1, i]))
+                for i in candidates[mismatched].tolist()]
+
+    def _verify_scales(self) -> list[Violation]:
+        """A corrupted scale changes how every page of its layer reads: all requests holding pages are hit."""
+        if not self.kv_cache.is_fp8:
+            return []
+        if (torch.equal(self.kv_cache.key_scales, self._trusted_scales[0])
+                and torch.equal(self.kv_cache.value_scales, self._trusted_scales[1])):
+            return []
+        self.kv_cache.set_scales(*self._trusted_scales)
+        holders = torch.unique(self.owners[self.owners != FREE]).tolist()
+        return [Violation(seq_id, "fp8_scale", None) for seq_id in holders]
+
+    def trust_scales(self) -> None:
+        """Takes the current FP8 scales as the reference (after calibration or `set_scales`)."""
+        if self.full and self.kv_cache.is_fp8:
+            self._trusted_scales = (self.kv_cache.key_scales.clone(), self.kv_cache.value_scales.clone())
+
+    def seal(self, items: list[ScheduledSequence]) -> None:
+        """After a step's KV writes: records the checksum of every page that became full in it."""
+        if not self.full:
+            return
+        self._flush()
+        page_size = self.block_manager.page_size
+        pages = []
+        for item in items:
+            table = self.block_manager.block_table(item.seq.seq_id)
+            pages.extend(table[item.start // page_size:item.end // page_size])
+        if not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.checksums[index] = page_checksums(self.kv_cache, index, self.weights)
+        self.sealed[index] = True

@@ -1,0 +1,179 @@
+"""KV-cache integrity: exact bookkeeping on a tiny pool, then fault campaigns on the real model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.faults import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, run_trial
+from engine.integrity import IntegrityChecker, page_checksums
+from engine.kv_cache import PagedKVCache
+from engine.llm import LLM
+from engine.memory import KVLayout
+from engine.scheduler import ScheduledSequence
+from engine.sequence import FinishReason, SamplingParams, Sequence
+from conftest import run_cli
+
+TRIALS = 2
+
+
+def tiny_pool(mode: str, kv_dtype: str = "fp32", num_pages: int = 8):
+    manager = BlockManager(num_pages, page_size=4)
+    cache = PagedKVCache(KVLayout(2, 2, 8, kv_dtype), num_pages, 4, "cpu")
+    return manager, cache, IntegrityChecker(mode, manager, cache)
+
+
+def scheduled(seq_id: int, tokens: int) -> ScheduledSequence:
+    return ScheduledSequence(Sequence([1] * tokens, SamplingParams(), seq_id=seq_id), 0, tokens)
+
+
+def test_ownership_table_follows_grants_and_frees():
+    manager, _, checker = tiny_pool("ownership")
+    manager.allocate(1, 6)              # pages 0, 1
+    manager.allocate(2, 3)              # page 2
+    assert checker.owned_by(1) == [0, 1] and checker.owned_by(2) == [2]
+    assert checker.check([scheduled(1, 6), scheduled(2, 3)]) == []
+    manager.free(1)
+    owners, epochs = checker.ownership()
+    assert owners[:3] == [-1, -1, 2]
+    assert epochs[:3] == [1, 1, 0]      # a free bumps the epoch
+    manager.check_invariants()
+
+
+def test_stale_table_and_foreign_page_are_caught_with_owner_and_epoch():
+    manager, _, checker = tiny_pool("ownership")
+    manager.allocate(1, 8)              # pages 0, 1
+    manager.allocate(2, 4)              # page 2
+    manager._release(1)                 # page 1 freed behind seq 1's back: epoch 0 -> 1
+    manager._tables[2][0] = 0           # seq 2's table names seq 1's page 0
+    found = {(v.seq_id, v.page): v for v in checker.check([scheduled(1, 8), scheduled(2, 4)])}
+    assert set(found) == {(1, 1), (2, 0)}
+    assert (found[1, 1].found_owner, found[1, 1].found_epoch, found[1, 1].expected_epoch) == (-1, 1, 0)
+    assert (found[2, 0].expected_owner, found[2, 0].found_owner) == (2, 1)
+    assert "page 0 expected owner 2" in found[2, 0].describe()
+
+
+def test_freeing_a_bad_table_releases_true_pages_and_quarantines_the_rest():
+    manager, _, checker = tiny_pool("ownership")
+    manager.allocate(1, 8)              # pages 0, 1
+    manager.allocate(2, 4)              # page 2
+    manager._tables[1][1] = 2           # seq 1 names seq 2's page; its own page 1 is orphaned
+    manager.free(1)
+    assert manager.quarantined == {2}
+    assert [v.page for v in checker.take_violations()] == [2]
+    assert manager.ref_count(1) == 0 and manager.ref_count(0) == 0       # the orphan came back too
+    manager.free(2)
+    assert 2 not in manager._free and manager.num_free_pages == manager.num_pages - 1
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_checksum_changes_with_any_single_bit(kv_dtype):
+    manager, cache, checker = tiny_pool("full", kv_dtype)
+    generator = torch.Generator().manual_seed(3)
+    cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator).to(cache.keys.dtype))
+    pages = torch.arange(manager.num_pages)
+    before = page_checksums(cache, pages, checker.weights)
+    raw = cache.values.view(torch.uint8)
+    for trial in range(20):
+        layer, page = trial % 2, trial % manager.num_pages
+        flat = raw[layer, page].view(-1)
+        index, bit = (trial * 37) % flat.numel(), trial % 8
+        flat[index] ^= 1 << bit
+        after = page_checksums(cache, pages, checker.weights)
+        assert (after != before).tolist() == [p == page for p in range(manager.num_pages)]
+        flat[index] ^= 1 << bit
+    assert torch.equal(page_checksums(cache, pages, checker.weights), before)
+
+
+def test_bad_integrity_mode_is_rejected():
+    with pytest.raises(ConfigError, match="unknown integrity mode 'paranoid'"):
+        EngineConfig(integrity="paranoid")
+
+
+@pytest.fixture(scope="module")
+def workload(english_prompts):
+    """16 mixed requests: prompts of 3..130 tokens, 4..11 new tokens each."""
+    rng = random.Random(7)
+    return english_prompts, [SamplingParams(max_tokens=rng.randrange(4, 12), ignore_eos=True)
+                             for _ in english_prompts]
+
+
+def campaign_engine(mode: str, kv_dtype: str | None = None) -> LLM:
+    return LLM(model="smollm2-135m", device="cpu", page_size=8, num_pages=400, integrity=mode, kv_dtype=kv_dtype)
+
+
+def assert_campaign_detects(llm: LLM, workload, kinds, trials: int, seed: int) -> None:
+    prompts, params = workload
+    reference = [r.token_ids for r in llm.generate(prompts, params)]
+    rng = random.Random(seed)
+    for kind in kinds:
+        for trial in range(trials):
+            result = run_trial(llm, prompts, params, reference, kind, rng)
+            where = f"{kind} trial {trial} ({result.fault})"
+            assert result.fault is not None, where
+            assert result.detected, f"not detected: {where}"
+            assert result.victims_clean, f"a victim got a token after the fault: {where}"
+            assert result.harmed == 0, f"{result.harmed} other requests harmed: {where}"
+            assert result.leaked_pages == 0, f"{result.leaked_pages} pages leaked: {where}"
+    llm.block_manager.check_invariants()
+
+
+def test_ownership_mode_catches_every_bookkeeping_fault(workload):
+    llm = campaign_engine("ownership")
+    assert_campaign_detects(llm, workload, OWNERSHIP_FAULTS, TRIALS, seed=1)
+    assert 0 < len(llm.block_manager.quarantined) <= 3 * TRIALS      # out-of-range pages quarantine nothing
+
+
+def test_full_mode_also_catches_memory_corruption(workload):
+    llm = campaign_engine("full", kv_dtype="fp8")
+    assert_campaign_detects(llm, workload, FAULT_KINDS, TRIALS, seed=2)
+    assert all("full" in DETECTED_IN[kind] for kind in FAULT_KINDS)
+
+
+def test_ownership_mode_does_not_claim_to_catch_bit_flips(workload):
+    """The modes cover what they say and no more: a flipped bit passes the ownership check."""
+    prompts, params = workload
+    llm = campaign_engine("ownership")
+    reference = [r.token_ids for r in llm.generate(prompts, params)]
+    result = run_trial(llm, prompts, params, reference, "bit_flip", random.Random(3))
+    assert result.fault is not None and not result.detected and "ownership" not in DETECTED_IN["bit_flip"]
+
+
+def test_off_mode_keeps_checks_off_the_hot_path(workload, monkeypatch):
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("an integrity check ran in mode off")
+
+    for name in ("check", "seal", "audit", "granted", "released"):
+        monkeypatch.setattr(IntegrityChecker, name, forbidden)
+    llm = campaign_engine("off")
+    assert llm.integrity is None and llm.block_manager.guard is None
+    outputs = llm.generate(*workload)
+    assert all(r.finish_reason == FinishReason.LENGTH.value for r in outputs)
+
+
+def test_breaking_the_ownership_update_breaks_detection(workload, monkeypatch):
+    """The checks cannot pass vacuously: a block manager that stops reporting frees lets faults through."""
+    def release_silently(self, page):
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] == 0:
+            self._epochs[page] += 1
+            self._free.append(page)
+
+    monkeypatch.setattr(BlockManager, "_release", release_silently)
+    llm = campaign_engine("ownership")
+    with pytest.raises(AssertionError, match="not detected"):
+        assert_campaign_detects(llm, workload, ["use_after_free"], 1, seed=4)
+
+
+def test_cli_generate_takes_integrity_mode():
+    result = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "4",
+                     "--integrity", "full", "--json")
+    assert result.returncode == 0, result.stderr
+    assert '"completion_tokens": 4' in result.stdout
+    bad = run_cli("generate", "--prompt", "x", "--integrity", "paranoid")
+    assert bad.returncode == 2 and "paranoid" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
