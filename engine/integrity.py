@@ -34,7 +34,6 @@ from engine.scheduler import ScheduledSequence
 
 FREE = -1
 CHECKSUM_CHUNK_PAGES = 64
-CHECKSUM_WEIGHT_LIMIT = 1 << 14     # odd weights below 2**15 keep every sum of int32 words inside int64
 
 log = logging.getLogger("engine.integrity")
 
@@ -60,26 +59,29 @@ class Violation:
         return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy"
 
 
-def checksum_weights(words_per_page: int, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """Odd weights: a flipped bit b of word i changes the sum by ±w_i·2^b, never by zero."""
+def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> torch.Tensor:
+    """Random odd 64-bit weights, one per 8-byte word of a page in each layer, for K and for V.
+
+    Multiplying by an odd number is a bijection modulo 2**64, so any change within one word (a flipped
+    bit, a burst) changes that word's term and hence the checksum.
+    """
+    pool = kv_cache.keys
+    words_per_layer = pool[0, 0].numel() * pool.element_size() // 8
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.randint(0, CHECKSUM_WEIGHT_LIMIT, (words_per_page,), generator=generator) * 2 + 1
-    return weights.to(device)
+    weights = torch.randint(-(1 << 62), 1 << 62, (2, pool.shape[0], 1, words_per_layer), generator=generator)
+    return (weights * 2 + 1).to(pool.device)
 
 
 def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One int64 checksum per page over its K and V bytes in every layer, in chunks to bound memory."""
+    """One int64 checksum per page: sum over layers, K and V of word × weight, wrapping modulo 2**64."""
     sums = []
     for chunk in pages.split(CHECKSUM_CHUNK_PAGES):
-        words = [pool[:, chunk].transpose(0, 1).reshape(len(chunk), -1).view(torch.int32)
-                 for pool in (kv_cache.keys, kv_cache.values)]
-        sums.append((torch.cat(words, dim=1).to(torch.int64) * weights).sum(dim=1))
+        total = torch.zeros(len(chunk), dtype=torch.int64, device=pages.device)
+        for pool, pool_weights in zip((kv_cache.keys, kv_cache.values), weights):
+            words = pool[:, chunk].view(torch.int64).reshape(pool.shape[0], len(chunk), -1)
+            total += (words * pool_weights).sum(dim=(0, 2))
+        sums.append(total)
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=pages.device)
-
-
-def words_per_page(kv_cache: PagedKVCache) -> int:
-    pool = kv_cache.keys
-    return 2 * pool.shape[0] * pool[0, 0].numel() * pool.element_size() // 4
 
 
 class IntegrityChecker:
@@ -106,9 +108,12 @@ class IntegrityChecker:
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         self.full = mode == "full"
         if self.full:
+            row_bytes = kv_cache.keys.shape[-1] * kv_cache.keys.element_size()
+            if row_bytes % 8:
+                raise ValueError(f"full integrity checks need KV rows of a multiple of 8 bytes, got {row_bytes}")
             self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)
             self.checksums = torch.zeros(num_pages, dtype=torch.int64, device=device)
-            self.weights = checksum_weights(words_per_page(kv_cache), device, seed)
+            self.weights = checksum_weights(kv_cache, seed)
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self.trust_scales()
         block_manager.guard = self
