@@ -79,8 +79,11 @@ class BlockManager:
         return self._ref_counts[page]
 
     def _new_pages_needed(self, seq_id: int, num_new_tokens: int) -> int:
-        held = len(self._tables.get(seq_id, ()))
-        return pages_for_tokens(self.num_slots(seq_id) + num_new_tokens, self.page_size) - held
+        # on the hot path of every step for every sequence (the simulator's too): plain arithmetic
+        table = self._tables.get(seq_id)
+        if table is None:
+            return -(-num_new_tokens // self.page_size)
+        return -(-(self._num_slots[seq_id] + num_new_tokens) // self.page_size) - len(table)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return pages_for_tokens(num_tokens, self.page_size) <= len(self._free)
@@ -102,6 +105,9 @@ class BlockManager:
     def append(self, seq_id: int, num_new_tokens: int) -> list[int]:
         """Reserves slots for `num_new_tokens` more tokens; returns the pages that had to be added."""
         needed = self._new_pages_needed(seq_id, num_new_tokens)
+        if needed == 0:                     # the common decode step: room left in the last page
+            self._num_slots[seq_id] += num_new_tokens
+            return []
         if needed > len(self._free):
             raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {len(self._free)} are free")
         new_pages = [self._free.popleft() for _ in range(needed)]

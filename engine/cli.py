@@ -7,7 +7,7 @@ import sys
 from typing import Any, NoReturn
 
 from engine.config import INTEGRITY_MODES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
-from engine.errors import EngineError, RequestError
+from engine.errors import ConfigError, EngineError, RequestError
 
 EXIT_BAD_INPUT = 2
 
@@ -61,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     evaluate.add_argument("--window", type=int, default=512, help="tokens per scored window")
     evaluate.add_argument("--windows", type=int, default=8, help="number of consecutive windows")
+    profile = commands.add_parser("profile", help="time real engine steps (prefill, decode, mixed) into a profile")
+    _engine_options(profile)
+    profile.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    profile.add_argument("--out", required=True, help="where to write the profile JSON")
+    profile.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="prefill sizes to time")
+    profile.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
+    profile.add_argument("--contexts", type=int, nargs="+", default=None, help="decode context lengths")
+    profile.add_argument("--repeats", type=int, default=3, help="timed repetitions per point (median kept)")
+    profile.add_argument("--warmup", type=int, default=1, help="untimed steps before each point")
+    profile.add_argument("--max-kv-tokens", type=int, default=None,
+                         help="leave out decode and mixed points reading more cached tokens than this")
+    profile.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -129,10 +141,33 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               f"(weights {args.weights}, kv {llm.kv_layout.dtype})")
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from engine.llm import LLM
+    from engine.profiler import Profiler, SweepPlan
+
+    plan = SweepPlan(warmup=args.warmup, repeats=args.repeats, max_kv_tokens=args.max_kv_tokens)
+    for name, value in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.batches),
+                        ("decode_contexts", args.contexts)):
+        if value is not None:
+            plan = replace(plan, **{name: tuple(value)})
+    out = Path(args.out)
+    if out.parent and not out.parent.is_dir():
+        raise ConfigError(f"the folder of --out {str(out)!r} does not exist")
+    llm = LLM(engine_config(args, device=args.device, max_num_batched_tokens=max(max(plan.prefill_tokens), 2048),
+                            seed=args.seed))
+    profile = Profiler(llm, plan, args.seed).run()
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    summary = {"out": str(out), "samples": len(profile["samples"]), "fingerprint": profile["fingerprint"]}
+    _emit(summary, args.json, f"{len(profile['samples'])} points written to {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval}[args.command](args)
+        {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval, "profile": cmd_profile}[args.command](args)
     except EngineError as error:
         print(f"engine: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -80,7 +80,7 @@ class PagedKVCache:
     def gather(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given pages ([..., page_size, kv_heads, head_dim] per index), dequantized to `dtype`."""
         keys, values = self.keys[layer][pages].to(dtype), self.values[layer][pages].to(dtype)
-        if self.is_fp8:
-            keys = keys * self.key_scales[layer][:, None].to(dtype)
-            values = values * self.value_scales[layer][:, None].to(dtype)
+        if self.is_fp8:                                  # in place: the converted copy is ours alone
+            keys.mul_(self.key_scales[layer][:, None].to(dtype))
+            values.mul_(self.value_scales[layer][:, None].to(dtype))
         return keys, values

@@ -94,6 +94,7 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
+        self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
             config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed)
         if self.kv_cache.is_fp8:
@@ -192,6 +193,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
         output = self.scheduler.schedule()
+        self.last_output = output
         aborted = [] if self.integrity is None else self._enforce_integrity(output)
         if output.is_empty:
             return aborted

@@ -47,6 +47,16 @@ def kv_bytes_per_token(layout: KVLayout) -> int:
     return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * dtype_bytes(layout.dtype)
 
 
+def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, scales_per_layer: int = 0) -> int:
+    """Any per-token cache: layers x (elements x element size + per-token fp32 scales, FP8 only).
+
+    GQA caches 2 x KV heads x head dim elements per layer, MLA its latent plus the rope key, a sparse-attention
+    indexer its key (in FP8 with one scale per token, as serving engines store it).
+    """
+    scales = scales_per_layer * dtype_bytes(KV_SCALE_DTYPE) if dtype == "fp8" else 0
+    return num_layers * (elements_per_layer * dtype_bytes(dtype) + scales)
+
+
 def kv_scale_bytes(layout: KVLayout) -> int:
     """FP8 pages share static scales, one per layer, KV head and K/V: a fixed cost, not per token."""
     if layout.dtype != "fp8":
@@ -72,8 +82,12 @@ def kv_cache_bytes(layout: KVLayout, num_pages: int, page_size: int) -> int:
     return num_pages * kv_bytes_per_page(layout, page_size) + kv_scale_bytes(layout)
 
 
+def ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
+    return ceil_div(num_tokens, page_size)
 
 
 def weight_bytes(num_parameters: int, dtype: str) -> int:
@@ -85,14 +99,16 @@ def weight_bytes(num_parameters: int, dtype: str) -> int:
 class WeightFormat:
     """How a linear layer's weight [out_features, in_features] is stored.
 
-    fp8: e4m3 values with one fp32 scale per output channel. int4: two values per byte, one scale per group
-    of `group_size` inputs, plus one minimum per group when asymmetric (w = q * scale + minimum).
+    fp8: e4m3 values with one fp32 scale per output channel, or per `block_size` x `block_size` block when
+    `block_size` is set (DeepSeek's checkpoints). int4: two values per byte, one scale per group of
+    `group_size` inputs, plus one minimum per group when asymmetric (w = q * scale + minimum).
     """
 
     dtype: str
     group_size: int = 128
     symmetric: bool = False
     scale_dtype: str = "fp16"
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (*FLOAT_DTYPES, "fp8", "int4"):
@@ -102,6 +118,8 @@ class WeightFormat:
                               f"got {self.group_size!r}")
         if self.scale_dtype not in ("fp16", "bf16", "fp32"):
             raise ConfigError(f"unknown scale dtype {self.scale_dtype!r}")
+        if self.block_size is not None and (self.dtype != "fp8" or self.block_size <= 0):
+            raise ConfigError(f"block scales are for fp8 weights, with a positive block size, got {self.block_size!r}")
 
     def check_shape(self, out_features: int, in_features: int) -> None:
         if self.dtype == "int4" and in_features % self.group_size:
@@ -113,7 +131,9 @@ class WeightFormat:
         if self.dtype in FLOAT_DTYPES:
             return numel * dtype_bytes(self.dtype)
         if self.dtype == "fp8":
-            return numel * dtype_bytes("fp8") + out_features * dtype_bytes(FP8_WEIGHT_SCALE_DTYPE)
+            scales = out_features if self.block_size is None else (
+                ceil_div(out_features, self.block_size) * ceil_div(in_features, self.block_size))
+            return numel * dtype_bytes("fp8") + scales * dtype_bytes(FP8_WEIGHT_SCALE_DTYPE)
         groups = numel // self.group_size
         per_group = dtype_bytes(self.scale_dtype) * (1 if self.symmetric else 2)
         return numel * INT4_BITS // 8 + groups * per_group

