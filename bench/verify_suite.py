@@ -1,0 +1,72 @@
+"""Verification suite: several workloads through the engine here and through the simulator calibrated
+from the committed CPU profiles; per-metric errors and a summary (median and largest absolute error).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from planner.verify import verify
+from planner.workload import LengthDistribution, Workload
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "planner" / "profiles"
+RESULTS = REPO / "bench" / "results"
+L = LengthDistribution
+# (name, profile, workload, KV pool GiB)
+SUITE = [
+    ("light load", "fp32-kvbf16", Workload("poisson", 20, rate=0.5, prompt=L("fixed", 128), output=L("fixed", 32)), 0.25),
+    ("saturating load", "fp32-kvbf16",
+     Workload("poisson", 40, rate=8.0, prompt=L("uniform", low=64, high=256), output=L("fixed", 32), seed=1), 0.25),
+    ("short prompts", "fp32-kvbf16", Workload("poisson", 30, rate=2.0, prompt=L("fixed", 16), output=L("fixed", 48)), 0.25),
+    ("long prompts", "fp32-kvbf16", Workload("poisson", 16, rate=0.3, prompt=L("fixed", 1024), output=L("fixed", 16)), 0.25),
+    ("fp8 KV", "fp32-kvfp8", Workload("poisson", 30, rate=2.0, prompt=L("uniform", low=64, high=512),
+                                      output=L("fixed", 32), seed=2), 0.25),
+    ("native INT4 weights, fp8 KV", "native-kvfp8", Workload("poisson", 30, rate=2.0,
+                                                             prompt=L("uniform", low=64, high=512),
+                                                             output=L("fixed", 32), seed=3), 0.25),
+    ("int4 weights", "int4-kvfp32", Workload("poisson", 30, rate=2.0, prompt=L("uniform", low=64, high=512),
+                                             output=L("fixed", 32), seed=4), 0.25),
+    ("memory-starved (preemptions)", "fp32-kvbf16",
+     Workload("poisson", 30, rate=6.0, prompt=L("uniform", low=128, high=512), output=L("fixed", 64), seed=5), 0.05),
+]
+SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",
+                   "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="substring of the workload names to run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    out = sys.stderr if args.json else sys.stdout
+    runs = []
+    for name, profile, workload, gib in SUITE:
+        if args.only and args.only not in name:
+            continue
+        result = verify(str(PROFILES / f"cpu-smollm2-135m-{profile}.profile.json"), workload, kv_cache_gib=gib)
+        result["name"] = name
+        runs.append(result)
+        errors = {k: m["error_pct"] for k, m in result["metrics"].items()}
+        print(f"{name:30s} " + " ".join(f"{k}={v:+.1f}%" if v is not None else f"{k}=-" for k, v in errors.items())
+              + f" replay_same_batches={result['replay']['same_batches']}", file=out)
+    summary = {}
+    for metric in ("kv_capacity_tokens", *SUMMARY_METRICS):
+        errors = [abs(r["metrics"][metric]["error_pct"]) for r in runs if r["metrics"][metric]["error_pct"] is not None]
+        if errors:
+            summary[metric] = {"median_abs_error_pct": round(statistics.median(errors), 2),
+                               "max_abs_error_pct": round(max(errors), 2)}
+    print(f"\n{'metric':22s} {'median |error|':>15s} {'max |error|':>12s}", file=out)
+    for metric, row in summary.items():
+        print(f"{metric:22s} {row['median_abs_error_pct']:14.1f}% {row['max_abs_error_pct']:11.1f}%", file=out)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "verify_suite.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+    if args.json:
+        print(json.dumps({"summary": summary, "workloads": [r["name"] for r in runs]}))
+
+
+if __name__ == "__main__":
+    main()

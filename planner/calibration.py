@@ -1,0 +1,219 @@
+"""Fits the step-time model to a profile of the real engine, and guards what a fit may be used for.
+
+A calibration is the fitted `StepParameters` plus where they came from: the profile's fingerprint
+(engine version, device, dtypes, model) and a hash of its samples, the peaks the efficiencies are
+relative to, and the fit error per regime and on held-out points. Fits are robust (soft-L1 loss on
+relative errors, so one noisy point cannot drag the rest) and refused above an error threshold.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from engine.profile_format import PROFILE_VERSION, REGIMES
+from planner.errors import PlannerError
+from planner.files import read_json
+from planner.hardware import catalogue
+from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_terms
+
+CALIBRATION_VERSION = 1
+MAX_MAPE_PCT = 15.0
+PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
+LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0)
+UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0)
+X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+
+
+def load_profile(path: str | Path) -> dict[str, Any]:
+    profile = read_json(path, "profile")
+    if profile.get("version") != PROFILE_VERSION:
+        raise PlannerError(f"profile {str(path)!r} has version {profile.get('version')!r}; "
+                           f"this planner reads version {PROFILE_VERSION}: re-profile with `engine profile`")
+    for key in ("fingerprint", "model", "samples"):
+        if key not in profile:
+            raise PlannerError(f"profile {str(path)!r} lacks {key!r}")
+    if not profile["samples"]:
+        raise PlannerError(f"profile {str(path)!r} has no samples")
+    return profile
+
+
+def samples_hash(profile: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(profile["samples"], sort_keys=True).encode()).hexdigest()
+
+
+def profile_costs(model: dict[str, Any]) -> ModelCosts:
+    """The step costs of the profiled (dense Llama-family) model."""
+    layers, heads, head_dim = model["num_layers"], model["num_heads"], model["head_dim"]
+    return ModelCosts(
+        dense_weight_bytes=model["linear_weight_bytes"] + model["head_weight_bytes"],
+        linear_flops_per_token=2.0 * model["num_linear_parameters"],
+        attention_flops_per_pair=4.0 * layers * heads * head_dim,
+        kv_bytes_per_token=model["kv_bytes_per_token"],
+        head_flops_per_sequence=2.0 * model["vocab_size"] * model["hidden_size"],
+        fused_max_tokens=model.get("fused_max_tokens"),
+        dequantized_weight_bytes=model.get("dequantized_weight_bytes", 0) if model.get("fused_max_tokens")
+        is not None else 0,
+    )
+
+
+def profile_peaks(fingerprint: dict[str, Any]) -> Peaks:
+    """Catalogued peaks for a known GPU; the profile's own measurements for a CPU or an unknown device."""
+    spec = catalogue().get(fingerprint.get("hardware") or "")
+    if spec is not None and not spec.calibrated:
+        return Peaks(spec.bandwidth_bytes_per_s, spec.peak_flops(fingerprint["weights"]))
+    return Peaks(fingerprint["copy_bandwidth_bytes_per_s"], fingerprint["matmul_flops_per_s"])
+
+
+@dataclass(frozen=True)
+class Points:
+    """A profile's samples as arrays: bytes, FLOPs, sequences and the measured median per step."""
+
+    kinds: np.ndarray
+    weight_bytes: np.ndarray
+    dequant_bytes: np.ndarray
+    kv_bytes: np.ndarray
+    linear_flops: np.ndarray
+    attention_flops: np.ndarray
+    num_seqs: np.ndarray
+    seconds: np.ndarray
+
+    @classmethod
+    def of(cls, samples: list[dict[str, Any]], costs: ModelCosts) -> Points:
+        terms = [step_terms(costs, BatchShape(**sample["batch"])) for sample in samples]
+        return cls(np.array([sample["kind"] for sample in samples]),
+                   np.array([t.weight_bytes for t in terms], dtype=float),
+                   np.array([t.dequant_bytes for t in terms], dtype=float),
+                   np.array([t.kv_bytes for t in terms], dtype=float),
+                   np.array([t.linear_flops for t in terms], dtype=float),
+                   np.array([t.attention_flops for t in terms], dtype=float),
+                   np.array([t.num_seqs for t in terms], dtype=float),
+                   np.array([sample["median_s"] for sample in samples], dtype=float))
+
+    def subset(self, mask: np.ndarray) -> Points:
+        return Points(*(getattr(self, item.name)[mask] for item in fields(self)))
+
+
+def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
+    """`planner.step_model.combine`, vectorized over points."""
+    memory = (points.weight_bytes / params.bandwidth_efficiency + points.dequant_bytes / params.dequant_efficiency
+              + points.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
+    compute = (points.linear_flops / params.compute_efficiency
+               + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
+    longer, shorter = np.maximum(memory, compute), np.minimum(memory, compute)
+    return (params.step_overhead_s + params.seq_overhead_s * points.num_seqs
+            + longer + (1.0 - params.overlap) * shorter)
+
+
+def fit(points: Points, peaks: Peaks) -> StepParameters:
+    """Robust least squares on relative errors, from several starting points (the max() makes it
+    non-smooth). A coefficient whose term is zero at every point (no widened weights in a float profile)
+    says nothing about the data: it keeps its default rather than wandering."""
+    free = np.ones(len(PARAMETER_NAMES), dtype=bool)
+    free[PARAMETER_NAMES.index("dequant_efficiency")] = bool(points.dequant_bytes.any())
+    defaults = np.array([getattr(StepParameters(), name) for name in PARAMETER_NAMES])
+
+    def full(x: np.ndarray) -> np.ndarray:
+        values = defaults.copy()
+        values[free] = x
+        return values
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return predict(points, peaks, StepParameters(*full(x))) / points.seconds - 1.0
+
+    best = None
+    for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
+        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 5, overlap])[free]
+        result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
+                               loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
+        if best is None or result.cost < best.cost:
+            best = result
+    return StepParameters(*(float(value) for value in full(best.x)))
+
+
+def mape_pct(points: Points, peaks: Peaks, params: StepParameters) -> float:
+    return float(100 * np.mean(np.abs(predict(points, peaks, params) / points.seconds - 1.0)))
+
+
+def holdout_split(points: Points) -> np.ndarray:
+    """Every other point of each regime, in the profile's order: both halves span the same ranges."""
+    mask = np.zeros(len(points.seconds), dtype=bool)
+    for kind in REGIMES:
+        index = np.flatnonzero(points.kinds == kind)
+        mask[index[::2]] = True
+    return mask
+
+
+def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[str, Any]:
+    """Fits a profile; raises PlannerError when any regime's error is above `max_mape` percent."""
+    fingerprint = profile["fingerprint"]
+    costs = profile_costs(profile["model"])
+    peaks = profile_peaks(fingerprint)
+    points = Points.of(profile["samples"], costs)
+    params = fit(points, peaks)
+    report = {f"mape_{kind}_pct": round(mape_pct(points.subset(points.kinds == kind), peaks, params), 3)
+              for kind in REGIMES if (points.kinds == kind).any()}
+    train = holdout_split(points)
+    holdout = None
+    if train.sum() >= len(PARAMETER_NAMES) and (~train).any():
+        holdout = round(mape_pct(points.subset(~train), peaks, fit(points.subset(train), peaks)), 3)
+    worst = max(report, key=report.get)
+    if report[worst] > max_mape:
+        raise PlannerError(f"the fit's error is {report[worst]:.1f}% ({worst}), above the {max_mape:g}% threshold: "
+                           "the profile is too noisy or the model does not describe this engine; re-profile")
+    return {
+        "version": CALIBRATION_VERSION,
+        "fingerprint": fingerprint,
+        "samples_sha256": samples_hash(profile),
+        "model": profile["model"],
+        "peaks": asdict(peaks),
+        "parameters": asdict(params),
+        **report,
+        "holdout_mape_pct": holdout,
+        "max_mape_pct": max_mape,
+        "num_samples": len(profile["samples"]),
+    }
+
+
+@dataclass(frozen=True)
+class Calibration:
+    parameters: StepParameters
+    peaks: Peaks
+    fingerprint: dict[str, Any]
+    document: dict[str, Any]
+
+    @classmethod
+    def of(cls, document: dict[str, Any], source: str = "calibration") -> Calibration:
+        try:
+            return cls(StepParameters(**document["parameters"]), Peaks(**document["peaks"]),
+                       document["fingerprint"], document)
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlannerError(f"{source} is malformed: {error}") from None
+
+    def check_matches(self, engine_version: str | None = None, model: str | None = None,
+                      weights: str | None = None, kv_dtype: str | None = None) -> None:
+        check_fingerprint(self.fingerprint, "calibration", engine_version, model, weights, kv_dtype)
+
+
+def check_fingerprint(fingerprint: dict[str, Any], what: str, engine_version: str | None = None,
+                      model: str | None = None, weights: str | None = None, kv_dtype: str | None = None) -> None:
+    """Refuses a profile or calibration made for something else: it would silently mispredict."""
+    for key, expected, label in (("engine_version", engine_version, "engine version"), ("model", model, "model"),
+                                 ("weights", weights, "weights"), ("kv_dtype", kv_dtype, "KV dtype")):
+        if expected is not None and fingerprint.get(key) != expected:
+            raise PlannerError(f"this {what} was made for {label} {fingerprint.get(key)!r}, not {expected!r}; "
+                               f"make one with `engine profile` for this configuration")
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    document = read_json(path, "calibration")
+    if document.get("version") != CALIBRATION_VERSION:
+        raise PlannerError(f"calibration {str(path)!r} has version {document.get('version')!r}; "
+                           f"this planner reads version {CALIBRATION_VERSION}")
+    return Calibration.of(document, f"calibration {str(path)!r}")

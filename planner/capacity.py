@@ -1,0 +1,299 @@
+"""Throughput, latency and cost of a deployment, and the comparisons the mission is about.
+
+A deployment is a model on a number of GPUs of one kind, with weight and KV dtypes. Memory comes from
+`planner.memory_plan`; step times from `planner.step_model`, with the efficiencies of a calibration when
+one exists for that hardware and these dtypes, else the documented defaults of `StepParameters`.
+
+Decode throughput at a context length: every replica runs its largest concurrency (the KV pool's, at
+most `max_num_seqs`) as one decode batch. Prefill throughput: one chunk of `max_num_batched_tokens` new
+tokens per step. Cost per million output tokens: GPU-hours of the whole deployment over its decode output.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.config import SchedulerConfig
+from engine.profile_format import engine_version
+
+from planner.calibration import Calibration, load_calibration
+from planner.errors import PlannerError
+from planner.hardware import HardwareSpec, get_hardware
+from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, MemoryPlan, Parallelism,
+                                 plan_memory, weight_scheme)
+from planner.models import ModelSpec, get_model
+from planner.simulator import Simulation, SimulationResult, model_step_time
+from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_time
+from planner.workload import Workload
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+HOURS = 3600.0
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str
+    hardware: str
+    gpus: int
+    weights: str = "native"
+    kv_dtype: str = "fp8"
+    context: int = DEFAULT_CONTEXT
+    gpu_hour_usd: float | None = None
+    group_size: int = 128
+    tensor_parallel: int | None = None
+    expert_parallel: bool = False
+    attention_data_parallel: bool = False
+    utilization: float = 0.9
+    max_num_seqs: int = DEFAULT_MAX_SEQS
+    max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
+    calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
+            raise PlannerError(f"the GPU-hour price must be >= 0 USD, got {self.gpu_hour_usd!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PlannerError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
+
+    @property
+    def parallel(self) -> Parallelism:
+        return Parallelism(self.gpus, self.tensor_parallel, self.expert_parallel, self.attention_data_parallel)
+
+
+def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str) -> Path | None:
+    """A calibration under planner/profiles made on this hardware for exactly this model and these dtypes."""
+    path = PROFILES / f"{hardware}-{model}-{weights}-kv{kv_dtype}.calibration.json"
+    return path if path.exists() else None
+
+
+def step_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
+    """(parameters, measured peaks or None, where they came from). A given calibration must match."""
+    path = deployment.calibration
+    if path is None:
+        found = committed_calibration(hardware.key, deployment.model, deployment.weights, deployment.kv_dtype)
+        path = str(found) if found else None
+    if path is None:
+        if hardware.calibrated:
+            raise PlannerError(f"hardware {hardware.key!r} is described by a calibration: none exists for "
+                               f"{deployment.model} {deployment.weights}/kv {deployment.kv_dtype}; give --calibration")
+        return StepParameters(), None, "defaults (no calibration for this hardware)"
+    calibration: Calibration = load_calibration(path)
+    fingerprint = calibration.fingerprint
+    if fingerprint.get("hardware") != hardware.key:
+        raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
+    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
+    calibration.check_matches(engine_version=engine_version(), weights=deployment.weights,
+                              kv_dtype=deployment.kv_dtype)
+    peaks = calibration.peaks if hardware.calibrated else None
+    return calibration.parameters, peaks, f"calibration {Path(path).name}"
+
+
+def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
+    """Per-GPU step costs: this GPU's weights and KV, its share of the FLOPs."""
+    parallel = plan.parallel
+    by_component = plan.weights_by_component
+    head = by_component["head"] if not model.tie_word_embeddings else by_component["embeddings"]
+    dense = sum(by_component[name] for name in ("attention", "dense_ffn", "shared_experts", "norms")) + head
+    ffn = model.ffn
+    expert_bytes, local = 0.0, None
+    if ffn.moe_layers:
+        total_experts = ffn.moe_layers * ffn.num_experts
+        if parallel.expert_parallel:
+            local = -(-ffn.num_experts // parallel.gpus)
+            expert_bytes = by_component["routed_experts"] / (ffn.moe_layers * local)
+        else:
+            expert_bytes = by_component["routed_experts"] / total_experts
+    attention_tp = parallel.attention_tp
+    return ModelCosts(
+        dense_weight_bytes=dense,
+        linear_flops_per_token=model.linear_flops_per_token / parallel.tp,
+        attention_flops_per_pair=model.num_layers * model.attention.flops_per_pair() / attention_tp,
+        kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
+        head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / parallel.tp,
+        expert_weight_bytes=expert_bytes, num_moe_layers=ffn.moe_layers, num_experts=ffn.num_experts,
+        experts_per_token=ffn.experts_per_token, local_experts=local)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    deployment: Deployment
+    plan: MemoryPlan
+    concurrency: int                    # requests of the deployment's context the KV pools hold, all replicas
+    decode_batch: int                   # what each replica decodes at once: that, capped by max_num_seqs
+    decode_tokens_per_s: float
+    single_stream_tokens_per_s: float
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    cost_per_million_tokens: float
+    gpu_hour_usd: float
+    parameters_source: str
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """The `planner plan --json` object (../shared/DESIGN.md)."""
+        return {
+            "weights_bytes_per_gpu": self.plan.weights_bytes_per_gpu,
+            "kv_bytes_per_token_per_gpu": self.plan.kv_bytes_per_token_per_gpu,
+            "kv_capacity_tokens": self.plan.kv_capacity_tokens,
+            "max_context_tokens": self.plan.max_context_tokens,
+            "max_concurrency": self.concurrency,
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
+            "cost_per_million_tokens": None if self.cost_per_million_tokens == float("inf")
+            else round(self.cost_per_million_tokens, 4),
+        }
+
+    def details(self) -> dict:
+        return {
+            **self.summary(),
+            "max_context_reason": self.plan.max_context_reason,
+            "memory_breakdown_per_gpu": self.plan.breakdown(),
+            "weights_by_component_per_gpu": self.plan.weights_by_component,
+            "single_stream_tokens_per_s": round(self.single_stream_tokens_per_s, 3),
+            "decode_step_s": self.decode_step_s,
+            "gpu_hour_usd": self.gpu_hour_usd,
+            "replicas": self.plan.parallel.replicas,
+            "decode_batch_per_replica": self.decode_batch,
+            "parameters_source": self.parameters_source,
+            "deployment": asdict(self.deployment),
+            "notes": self.notes + self.plan.notes,
+        }
+
+
+def evaluate(deployment: Deployment) -> Capacity:
+    model = get_model(deployment.model)
+    hardware = get_hardware(deployment.hardware)
+    parallel = deployment.parallel
+    weight_scheme(model, deployment.weights, deployment.group_size)
+    if deployment.context > model.max_position_embeddings:
+        raise PlannerError(f"a context of {deployment.context} tokens is above {model.name}'s limit of "
+                           f"{model.max_position_embeddings}")
+    params, measured, source = step_parameters(deployment, hardware)
+    if measured is not None:
+        hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
+    hardware = hardware.with_price(deployment.gpu_hour_usd)
+    plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
+                       deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
+                       max_seqs=deployment.max_num_seqs)
+    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights))
+    costs = model_costs(model, plan)
+    per_replica = plan.max_concurrency(deployment.context) // parallel.replicas
+    batch = min(per_replica, deployment.max_num_seqs)
+    notes = []
+    if per_replica > deployment.max_num_seqs:
+        notes.append(f"the KV pool holds {per_replica} requests per replica; max_num_seqs caps the batch at {batch}")
+    decode_step = step_time(costs, peaks, params, BatchShape.of([deployment.context] * batch, []))
+    single = step_time(costs, peaks, params, BatchShape.of([deployment.context], [])) if per_replica else 0.0
+    decode = parallel.replicas * batch / decode_step if batch else 0.0
+    chunk = min(deployment.max_num_batched_tokens, plan.max_context_tokens)
+    prefill = (parallel.replicas * chunk / step_time(costs, peaks, params, BatchShape.of([], [(chunk, chunk)]))
+               if chunk else 0.0)
+    dollars_per_s = deployment.gpus * hardware.gpu_hour_usd / HOURS
+    cost = dollars_per_s / decode * 1e6 if decode else float("inf")
+    return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode, 1.0 / single if single else 0.0, prefill,
+                    decode_step, cost, hardware.gpu_hour_usd, source, notes)
+
+
+def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
+    """Several dtype configurations of one deployment, side by side; one that does not fit still gets a row."""
+    from dataclasses import replace
+
+    return [evaluate(replace(deployment, weights=w, kv_dtype=kv)) for w in weights for kv in kv_dtypes]
+
+
+def kv_dtype_comparison(deployment: Deployment) -> dict:
+    """BF16 against FP8 KV: context, concurrency, throughput at each one's largest concurrency."""
+    rows = {kv: evaluate(_with(deployment, kv_dtype=kv)) for kv in ("bf16", "fp8")}
+    bf16, fp8 = rows["bf16"], rows["fp8"]
+    return {kv: row.summary() for kv, row in rows.items()} | {
+        "capacity_ratio": _ratio(fp8.plan.kv_capacity_tokens, bf16.plan.kv_capacity_tokens),
+        "concurrency_ratio": _ratio(fp8.concurrency, bf16.concurrency),
+        "decode_throughput_ratio": _ratio(fp8.decode_tokens_per_s, bf16.decode_tokens_per_s),
+    }
+
+
+def weight_dtype_comparison(deployment: Deployment, baseline: str = "fp8", candidate: str = "int4") -> dict:
+    """FP8 against INT4 weights: size, single-stream decode speed, prefill speed."""
+    rows = {w: evaluate(_with(deployment, weights=w)) for w in (baseline, candidate)}
+    base, cand = rows[baseline], rows[candidate]
+    return {w: {**row.summary(), "single_stream_tokens_per_s": round(row.single_stream_tokens_per_s, 3)}
+            for w, row in rows.items()} | {
+        "weight_bytes_ratio": _ratio(cand.plan.weights_bytes_per_gpu, base.plan.weights_bytes_per_gpu),
+        "single_stream_speedup": _ratio(cand.single_stream_tokens_per_s, base.single_stream_tokens_per_s),
+        "prefill_speedup": _ratio(cand.prefill_tokens_per_s, base.prefill_tokens_per_s),
+    }
+
+
+def _with(deployment: Deployment, **changes) -> Deployment:
+    from dataclasses import replace
+
+    return replace(deployment, calibration=None, **changes) if deployment.calibration else replace(deployment, **changes)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return round(numerator / denominator, 4) if denominator else None
+
+
+def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, Callable[[BatchShape], float], int]:
+    """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas."""
+    result = evaluate(deployment)
+    model = get_model(deployment.model)
+    hardware = get_hardware(deployment.hardware)
+    params, measured, _ = step_parameters(deployment, hardware)
+    if measured is not None:
+        hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
+    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights))
+    costs = model_costs(model, result.plan)
+    plan = result.plan
+    if plan.kv_pages_per_replica <= 0:
+        raise PlannerError(f"{deployment.model} leaves no room for a KV cache on {deployment.gpus} x "
+                           f"{deployment.hardware} with {deployment.weights} weights")
+    config = SchedulerConfig(num_pages=plan.kv_pages_per_replica, page_size=plan.page_size,
+                             max_num_seqs=deployment.max_num_seqs,
+                             max_num_batched_tokens=deployment.max_num_batched_tokens,
+                             max_model_len=plan.max_position_embeddings)
+    return config, lambda batch: step_time(costs, peaks, params, batch), plan.parallel.replicas
+
+
+def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
+             record_steps: bool = False) -> SimulationResult:
+    """The workload through the deployment's replicas, each running the engine's scheduler."""
+    config, seconds, replicas = simulation_setup(deployment)
+    return Simulation(config, model_step_time(seconds), replicas, router, record_steps, progress).run(workload)
+
+
+def meets_slo(report: dict, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None) -> bool:
+    return ((slo_ttft_p99_s is None or report["ttft_p99_s"] <= slo_ttft_p99_s)
+            and (slo_tpot_p99_s is None or report["tpot_p99_s"] is None or report["tpot_p99_s"] <= slo_tpot_p99_s))
+
+
+def max_rate_meeting_slo(deployment: Deployment, workload: Workload, slo_ttft_p99_s: float | None,
+                         slo_tpot_p99_s: float | None, high: float, iterations: int = 10) -> float:
+    """The largest Poisson arrival rate (requests/s, within high / 2**iterations) whose TTFT p99 and TPOT p99
+    meet the SLOs, by bisection over simulations of the same workload at other rates; 0 if none does."""
+    from dataclasses import replace
+
+    low = 0.0
+    for _ in range(iterations):
+        rate = (low + high) / 2
+        report = simulate(deployment, replace(workload, arrival="poisson", rate=rate)).report()
+        low, high = (rate, high) if meets_slo(report, slo_ttft_p99_s, slo_tpot_p99_s) else (low, rate)
+    return low
+
+
+def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:
+    """The KV-limited concurrency: the most closed-loop users the KV pool serves without one preemption."""
+    from dataclasses import replace
+
+    def preempts(users: int) -> bool:
+        return simulate(deployment, replace(workload, arrival="closed", users=users)).preemptions > 0
+
+    if not preempts(max_users):
+        return max_users
+    low, high = 0, max_users            # invariant: low users never preempt, high users do
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if preempts(middle) else (middle, high)
+    return low

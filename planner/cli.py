@@ -1,0 +1,234 @@
+"""`planner` command line. Thin: the work is done in the planner's modules."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.cli import EXIT_BAD_INPUT, OneLineParser
+from planner.errors import PlannerError
+
+
+def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
+    print(json.dumps(payload) if as_json else text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="planner", description="Capacity planning for LLM serving, calibrated on a real engine.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile")
+    calibrate.add_argument("profile", help="a profile written by `engine profile`")
+    calibrate.add_argument("--out", required=True, help="where to write the calibration JSON")
+    calibrate.add_argument("--max-mape", type=float, default=None,
+                           help="refuse a fit whose error in any regime is above this percentage (default 15)")
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    plan = commands.add_parser("plan", help="memory, capacity, throughput and cost of one deployment")
+    _deployment_options(plan)
+    plan.add_argument("--weights", default="native", help="bf16|fp8|int4|native")
+    plan.add_argument("--kv", default="fp8", help="bf16|fp8")
+
+    compare = commands.add_parser("compare", help="several weight/KV dtype configurations side by side")
+    _deployment_options(compare)
+    compare.add_argument("--weights", nargs="+", default=["bf16", "fp8", "int4", "native"], help="weight dtypes")
+    compare.add_argument("--kv", nargs="+", default=["bf16", "fp8"], help="KV dtypes")
+
+    simulate = commands.add_parser("simulate", help="discrete-event simulation of a workload on the deployment")
+    _deployment_options(simulate)
+    simulate.add_argument("--weights", default="native", help="bf16|fp8|int4|native")
+    simulate.add_argument("--kv", default="fp8", help="bf16|fp8")
+    _workload_options(simulate, requests=1000, prompt="1024", output="256")
+    simulate.add_argument("--users", type=int, default=None, help="closed loop: concurrent users")
+    simulate.add_argument("--think-time", type=float, default=0.0, help="closed loop: seconds between requests")
+    simulate.add_argument("--router", default="least-loaded", help="round-robin or least-loaded")
+    simulate.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
+    simulate.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
+
+    verify = commands.add_parser("verify", help="run a workload through the engine here and the simulator; errors")
+    verify.add_argument("--profile", required=True, help="a CPU profile written by `engine profile`")
+    _workload_options(verify, requests=30)
+    verify.add_argument("--kv-cache-gib", type=float, default=0.25, help="the engine's KV pool (GiB)")
+    verify.add_argument("--max-num-seqs", type=int, default=256)
+    verify.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    verify.add_argument("--out-dir", default=None, help="where to write report.md and figure.html")
+    verify.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return parser
+
+
+def _workload_options(parser: argparse.ArgumentParser, requests: int, prompt: str = "128",
+                      output: str = "32") -> None:
+    parser.add_argument("--workload", default="poisson", help="poisson, gamma, closed (simulate) or trace")
+    parser.add_argument("--rate", type=float, default=None, help="arrivals per second (poisson, gamma)")
+    parser.add_argument("--burstiness", type=float, default=2.0, help="gamma: coefficient of variation of gaps")
+    parser.add_argument("--trace", default=None, help="JSONL of {arrival_s, prompt_tokens, output_tokens}")
+    parser.add_argument("--requests", type=int, default=requests, help="number of requests")
+    parser.add_argument("--prompt-tokens", default=prompt, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA")
+    parser.add_argument("--output-tokens", default=output, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    from planner.verify import markdown_report, verify
+    from planner.workload import LengthDistribution, Workload
+
+    workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
+                        burstiness=args.burstiness, prompt=LengthDistribution.parse(args.prompt_tokens),
+                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
+    if not args.kv_cache_gib > 0:
+        raise PlannerError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib!r}")
+    result = verify(args.profile, workload, args.kv_cache_gib, args.max_num_seqs, args.max_num_batched_tokens)
+    report = markdown_report(result)
+    if args.out_dir:
+        from planner.plots import predicted_vs_measured
+
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text(report)
+        (out / "verification.json").write_text(json.dumps(result, indent=1) + "\n")
+        predicted_vs_measured(result).write_html(out / "figure.html", include_plotlyjs="cdn")
+    if args.json:
+        print(json.dumps({key: result[key] for key in ("metrics", "workload", "fingerprint", "replay")}))
+    else:
+        print(report)
+
+
+def _deployment_options(parser: argparse.ArgumentParser) -> None:
+    from planner.hardware import hardware_names
+    from planner.models import model_names
+
+    parser.add_argument("--model", required=True, help=f"{', '.join(model_names())}, or a path to a config.json")
+    parser.add_argument("--hardware", required=True, help=", ".join(hardware_names()))
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--context", type=int, default=8192, help="tokens per request (default 8192)")
+    parser.add_argument("--gpu-hour-usd", type=float, default=None, help="price per GPU-hour (default: catalogue)")
+    parser.add_argument("--group-size", type=int, default=128, help="INT4 group size: 32, 64 or 128")
+    parser.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: all GPUs)")
+    parser.add_argument("--expert-parallel", action="store_true", help="spread routed experts over all GPUs")
+    parser.add_argument("--attention-dp", action="store_true",
+                        help="data-parallel attention: no KV replication of the MLA latent")
+    parser.add_argument("--utilization", type=float, default=0.9, help="fraction of GPU memory to use")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="largest decode batch per replica")
+    parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _deployment(args: argparse.Namespace, weights: str, kv: str):
+    from planner.capacity import Deployment
+
+    return Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=weights, kv_dtype=kv,
+                      context=args.context, gpu_hour_usd=args.gpu_hour_usd, group_size=args.group_size,
+                      tensor_parallel=args.tp, expert_parallel=args.expert_parallel,
+                      attention_data_parallel=args.attention_dp, utilization=args.utilization,
+                      max_num_seqs=args.max_num_seqs, calibration=args.calibration)
+
+
+def _gib(value: int) -> str:
+    return f"{value / (1 << 30):.2f} GiB"
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from planner.capacity import evaluate
+
+    result = evaluate(_deployment(args, args.weights, args.kv))
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return
+    plan = result.plan
+    lines = [f"{args.model} on {args.gpus} x {args.hardware}, weights {args.weights}, KV {args.kv}, "
+             f"context {args.context} ({result.parameters_source})", "", "per GPU:"]
+    lines += [f"  {name:22s} {_gib(value)}" for name, value in plan.breakdown().items()]
+    lines += ["", f"  {'KV bytes per token':22s} {summary['kv_bytes_per_token_per_gpu']}",
+              f"  {'KV capacity':22s} {summary['kv_capacity_tokens']} tokens",
+              f"  {'max context':22s} {summary['max_context_tokens']} tokens (limited by {plan.max_context_reason})",
+              f"  {'max concurrency':22s} {summary['max_concurrency']} requests of {args.context} tokens",
+              f"  {'decode':22s} {summary['decode_tokens_per_s']:.1f} tokens/s "
+              f"(single stream {result.single_stream_tokens_per_s:.1f})",
+              f"  {'prefill':22s} {summary['prefill_tokens_per_s']:.1f} tokens/s",
+              f"  {'cost':22s} {summary['cost_per_million_tokens']} USD per million output tokens "
+              f"at {result.gpu_hour_usd} USD/GPU-hour"]
+    lines += [f"note: {note}" for note in result.details()["notes"]]
+    print("\n".join(lines))
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from planner.capacity import compare
+
+    rows = compare(_deployment(args, args.weights[0], args.kv[0]), args.weights, args.kv)
+    table = [{"weights": row.deployment.weights, "kv": row.deployment.kv_dtype, **row.summary(),
+              "single_stream_tokens_per_s": round(row.single_stream_tokens_per_s, 3)} for row in rows]
+    if args.json:
+        print(json.dumps({"rows": table}))
+        return
+    header = (f"{'weights':8s} {'kv':5s} {'weights/GPU':>12s} {'KV tokens':>11s} {'max ctx':>9s} {'conc':>6s} "
+              f"{'decode tok/s':>13s} {'1-stream':>9s} {'prefill tok/s':>14s} {'$/Mtok':>8s}")
+    lines = [header]
+    for row in table:
+        cost = "-" if row["cost_per_million_tokens"] is None else f"{row['cost_per_million_tokens']:.3f}"
+        lines.append(f"{row['weights']:8s} {row['kv']:5s} {_gib(row['weights_bytes_per_gpu']):>12s} "
+                     f"{row['kv_capacity_tokens']:11d} {row['max_context_tokens']:9d} {row['max_concurrency']:6d} "
+                     f"{row['decode_tokens_per_s']:13.1f} {row['single_stream_tokens_per_s']:9.1f} "
+                     f"{row['prefill_tokens_per_s']:14.1f} {cost:>8s}")
+    print("\n".join(lines))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from planner.calibration import MAX_MAPE_PCT, calibrate, load_profile
+
+    max_mape = MAX_MAPE_PCT if args.max_mape is None else args.max_mape
+    if not max_mape > 0:
+        raise PlannerError(f"--max-mape must be positive, got {max_mape!r}")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise PlannerError(f"the folder of --out {str(out)!r} does not exist")
+    calibration = calibrate(load_profile(args.profile), max_mape)
+    out.write_text(json.dumps(calibration, indent=1) + "\n")
+    keys = ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct", "holdout_mape_pct", "parameters")
+    payload = {key: calibration.get(key) for key in keys}
+    text = "\n".join(f"{key:18s} {value}" for key, value in payload.items())
+    _emit(payload, args.json, text)
+
+
+SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                 "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached", "preemptions",
+                 "kv_utilization_peak", "sim_wall_s")
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from planner.capacity import simulate
+    from planner.workload import LengthDistribution, Workload
+
+    workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
+                        burstiness=args.burstiness, users=args.users, think_time_s=args.think_time,
+                        prompt=LengthDistribution.parse(args.prompt_tokens),
+                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
+    result = simulate(_deployment(args, args.weights, args.kv), workload, args.router, progress=not args.json)
+    report = result.report(args.slo_ttft, args.slo_tpot)
+    payload = {key: report.get(key) for key in SIMULATE_KEYS}
+    if args.slo_ttft is not None or args.slo_tpot is not None:
+        payload["goodput_requests_per_s"] = report["goodput_requests_per_s"]
+    if args.json:
+        print(json.dumps(payload))
+        return
+    print("\n".join(f"{key:26s} {value:.4g}" if isinstance(value, float) else f"{key:26s} {value}"
+                    for key, value in payload.items()))
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate,
+            "verify": cmd_verify}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except PlannerError as error:
+        print(f"planner: error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""What the dashboard shows, as plain functions: `app.py` lays it out, this computes it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from planner import plots
+from planner.capacity import (Deployment, evaluate, kv_dtype_comparison, simulate, simulation_setup,
+                              weight_dtype_comparison)
+from planner.errors import PlannerError
+from planner.models import spec_from_config
+from planner.simulator import Simulation, model_step_time
+from planner.workload import LengthDistribution, Workload
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DEFAULT = Deployment(model="kimi-k2.6", hardware="h200", gpus=8, weights="native", kv_dtype="fp8", context=8192)
+UPLOADS = Path(tempfile.gettempdir()) / "kvplan-uploads"
+
+
+def model_from_upload(content: bytes) -> str:
+    """Validates an uploaded config.json and returns a path the planner can load it from."""
+    try:
+        config = json.loads(content.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlannerError(f"the uploaded file is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise PlannerError("the uploaded file is not a config.json object")
+    digest = hashlib.sha256(content).hexdigest()[:12]
+    spec_from_config(config, f"uploaded-{digest}")
+    UPLOADS.mkdir(exist_ok=True)
+    path = UPLOADS / f"uploaded-{digest}.json"
+    path.write_bytes(content)
+    return str(path)
+
+
+def plan_view(deployment: Deployment) -> dict[str, Any]:
+    result = evaluate(deployment)
+    label = f"{deployment.weights} / KV {deployment.kv_dtype}"
+    return {"summary": result.summary(), "details": result.details(),
+            "figure": plots.memory_breakdown({label: result.plan.breakdown()})}
+
+
+def integrity_overhead() -> dict[str, Any] | None:
+    path = RESULTS / "integrity_cpu.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    keys = ("check_share_ownership_pct", "overhead_ownership_pct", "overhead_full_pct", "overhead_full_sampled_pct",
+            "faults_injected", "faults_detected", "requests_harmed")
+    return {key: data.get(key) for key in keys}
+
+
+def compare_view(deployment: Deployment) -> dict[str, Any]:
+    kv = kv_dtype_comparison(deployment)
+    weights = weight_dtype_comparison(deployment)
+    rows = {f"{w} / KV {k}": evaluate(replace(deployment, weights=w, kv_dtype=k)).plan.breakdown()
+            for w, k in (("fp8", "bf16"), ("fp8", "fp8"), ("int4", "fp8"), (deployment.weights, deployment.kv_dtype))}
+    return {"kv": kv, "weights": weights, "integrity": integrity_overhead(),
+            "figure": plots.memory_breakdown(rows)}
+
+
+def simulate_view(deployment: Deployment, workload: Workload, slo_ttft_s: float | None,
+                  slo_tpot_s: float | None, curve_users: list[int]) -> dict[str, Any]:
+    result = simulate(deployment, workload, record_steps=True)
+    report = result.report(slo_ttft_s, slo_tpot_s)
+    config, seconds, replicas = simulation_setup(deployment)
+    curve = []
+    for users in curve_users:
+        closed = replace(workload, arrival="closed", users=users, num_requests=max(2 * users, 40))
+        point = Simulation(config, model_step_time(seconds), replicas, record_steps=False).run(closed).report()
+        curve.append({"users": users, "output_tokens_per_s": point["output_tokens_per_s"],
+                      "tpot_p99_s": point["tpot_p99_s"]})
+    return {"report": report, "latency": plots.latency_percentiles(report),
+            "kv": plots.kv_utilization(result.steps, config.num_pages),
+            "curve": plots.throughput_curve(curve, slo_tpot_s), "curve_points": curve}
+
+
+def verification_reports() -> list[Path]:
+    return sorted(RESULTS.glob("verify*.json"))
+
+
+def load_verification(path: str | Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if runs:                              # a suite: show its first run
+        data = runs[0]
+    if not isinstance(data, dict) or "metrics" not in data:
+        raise PlannerError(f"{Path(path).name} is not a verification report")
+    return data
+
+
+def default_workload() -> Workload:
+    return Workload("poisson", 200, rate=2.0, prompt=LengthDistribution("fixed", 2048),
+                    output=LengthDistribution("fixed", 512))

@@ -1,0 +1,79 @@
+"""The hardware catalogue: per-device memory, bandwidth, peak FLOP/s, interconnect and a default price.
+
+Data lives in `planner/data/hardware.json`. `cpu` is a placeholder whose real rates come from a
+calibration: `with_measured_peaks` replaces the catalogue's figures by those a profile measured.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+from planner.errors import PlannerError
+
+DATA = Path(__file__).resolve().parent / "data" / "hardware.json"
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    key: str
+    name: str
+    memory_bytes: int               # as the device reports it
+    bandwidth_bytes_per_s: float    # peak memory (HBM) bandwidth
+    bf16_flops_per_s: float         # dense tensor-core peak
+    fp8_flops_per_s: float | None   # None where the device has no FP8 tensor cores
+    interconnect_bytes_per_s: float
+    gpu_hour_usd: float
+    calibrated: bool = False        # True for `cpu`: only meaningful with a calibration's measured peaks
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "interconnect_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise PlannerError(f"hardware {self.key!r}: {name} must be positive, got {getattr(self, name)!r}")
+        if self.gpu_hour_usd < 0:
+            raise PlannerError(f"hardware {self.key!r}: the GPU-hour price must be >= 0, got {self.gpu_hour_usd!r}")
+
+    def peak_flops(self, weights: str) -> float:
+        """The matmul peak for a weight dtype: FP8 weights run FP8 tensor cores (W8A8) where there are
+        any; BF16, INT4 (dequantized to BF16 in the kernel) and the rest run BF16."""
+        if weights == "fp8" and self.fp8_flops_per_s:
+            return self.fp8_flops_per_s
+        return self.bf16_flops_per_s
+
+    def with_price(self, gpu_hour_usd: float | None) -> HardwareSpec:
+        return self if gpu_hour_usd is None else replace(self, gpu_hour_usd=gpu_hour_usd)
+
+    def with_measured_peaks(self, bandwidth_bytes_per_s: float, flops_per_s: float,
+                            memory_bytes: int | None = None) -> HardwareSpec:
+        return replace(self, bandwidth_bytes_per_s=bandwidth_bytes_per_s, bf16_flops_per_s=flops_per_s,
+                       fp8_flops_per_s=None, memory_bytes=memory_bytes or self.memory_bytes)
+
+
+@lru_cache(maxsize=1)
+def catalogue() -> dict[str, HardwareSpec]:
+    entries = json.loads(DATA.read_text())
+    specs = {}
+    for key, entry in entries.items():
+        if key.startswith("_"):
+            continue
+        fp8 = entry["fp8_tflops"]
+        specs[key] = HardwareSpec(
+            key=key, name=entry["name"], memory_bytes=entry["memory_mib"] * MIB,
+            bandwidth_bytes_per_s=entry["bandwidth_gb_s"] * 1e9, bf16_flops_per_s=entry["bf16_tflops"] * 1e12,
+            fp8_flops_per_s=None if fp8 is None else fp8 * 1e12,
+            interconnect_bytes_per_s=entry["interconnect_gb_s"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
+            calibrated=entry.get("calibrated", False))
+    return specs
+
+
+def hardware_names() -> list[str]:
+    return list(catalogue())
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    specs = catalogue()
+    if name not in specs:
+        raise PlannerError(f"unknown hardware {name!r} (choose from {', '.join(specs)})")
+    return specs[name]

@@ -1,0 +1,258 @@
+"""Per-GPU memory of a deployment, exactly: weights by component and dtype, the KV pool, the reserves.
+
+Every byte count comes from `engine.memory`, the arithmetic the engine itself allocates by.
+
+    GPU memory (as the device reports it)
+    └─ usable = memory × utilization (default 0.9)
+       ├─ weights        per component in its format, divided as parallelism divides it
+       ├─ activations    the largest step's working set (max_num_batched_tokens) and the logits
+       ├─ runtime        CUDA context, communication buffers, graphs: a fixed reserve
+       └─ KV pool        the rest, in whole pages: capacity in tokens
+
+Parallelism: tensor parallelism (TP) splits attention, dense layers, shared experts and the vocabulary
+over the TP group; grouped-query K/V heads split over at most their number of heads (beyond it, each GPU
+holds one head, replicated); the MLA latent is replicated on every TP rank (it has no heads to split)
+unless attention is data-parallel, where each GPU holds all attention weights and the cache of its own
+requests only. Routed experts split over the TP group, or with expert parallelism over all GPUs.
+Data parallelism (gpus / TP replicas) replicates the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+from engine.memory import GIB, WeightFormat, cache_bytes_per_token, ceil_div, weight_bytes
+from planner.errors import PlannerError
+from planner.hardware import HardwareSpec
+from planner.models import Linear, ModelSpec
+
+WEIGHT_SCHEMES = ("bf16", "fp8", "int4", "native")
+KV_DTYPES = ("bf16", "fp8")
+FLOAT_DTYPE = "bf16"                  # embeddings, norms, routers and every unquantized layer
+RUNTIME_RESERVE_BYTES = 1 * GIB       # CUDA context, NCCL buffers, CUDA graphs, allocator slack
+WORKSPACE_BYTES = 256 << 20           # GEMM and attention kernel workspaces
+ACTIVATION_WIDTHS = 8                 # hidden-sized buffers alive at once per token (residual, norms, attention)
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_BATCHED_TOKENS = 8192
+DEFAULT_MAX_SEQS = 256
+DEFAULT_CONTEXT = 8192
+# What each preset's checkpoint ships: component -> format (the rest stays bf16).
+NATIVE_SCHEMES: dict[str, dict[str, WeightFormat]] = {
+    "kimi-k2.6": {"routed_experts": WeightFormat("int4", 32, symmetric=True, scale_dtype="bf16")},
+    "deepseek-v3": {name: WeightFormat("fp8", block_size=128) for name in
+                    ("attention", "dense_ffn", "routed_experts", "shared_experts")},
+}
+LINEAR_COMPONENTS = ("attention", "dense_ffn", "routed_experts", "shared_experts")
+
+
+def weight_scheme(model: ModelSpec, weights: str, group_size: int = 128) -> dict[str, WeightFormat]:
+    """The format of each component's linear layers. The output head and embeddings stay bf16."""
+    if weights not in WEIGHT_SCHEMES:
+        raise PlannerError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_SCHEMES)})")
+    float_format = WeightFormat(FLOAT_DTYPE)
+    if weights == "native":
+        native = NATIVE_SCHEMES.get(model.name) or _scheme_from_quantization_config(model)
+        return {name: native.get(name, float_format) for name in LINEAR_COMPONENTS}
+    try:
+        fmt = {"bf16": float_format, "fp8": WeightFormat("fp8"),
+               "int4": WeightFormat("int4", group_size, scale_dtype="bf16")}[weights]
+    except ConfigError as error:
+        raise PlannerError(str(error)) from None
+    return {name: fmt for name in LINEAR_COMPONENTS}
+
+
+def _scheme_from_quantization_config(model: ModelSpec) -> dict[str, WeightFormat]:
+    """A config.json's own `quantization_config`: block FP8 (DeepSeek style) is read; others mean bf16."""
+    quant = model.config.get("quantization_config") or model.config.get("text_config", {}).get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        block = quant.get("weight_block_size") or [None]
+        return {name: WeightFormat("fp8", block_size=block[0]) for name in LINEAR_COMPONENTS}
+    return {}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    gpus: int
+    tensor_parallel: int | None = None        # default: all GPUs in one TP group
+    expert_parallel: bool = False
+    attention_data_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus, int) or self.gpus <= 0:
+            raise PlannerError(f"the number of GPUs must be a positive integer, got {self.gpus!r}")
+        tp = self.tp
+        if not isinstance(tp, int) or tp <= 0 or self.gpus % tp:
+            raise PlannerError(f"tensor parallelism {tp!r} must divide the {self.gpus} GPUs")
+
+    @property
+    def tp(self) -> int:
+        return self.gpus if self.tensor_parallel is None else self.tensor_parallel
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def attention_tp(self) -> int:
+        return 1 if self.attention_data_parallel else self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Independent KV pools: TP groups, or every GPU when attention is data-parallel."""
+        return self.gpus if self.attention_data_parallel else self.dp
+
+
+def _shards(linear: Linear, component: str, model: ModelSpec, parallel: Parallelism) -> int:
+    if component == "routed_experts":
+        return parallel.gpus if parallel.expert_parallel else parallel.tp
+    tp = parallel.attention_tp if component == "attention" else parallel.tp
+    if linear.shard == "replicated":
+        return 1
+    if linear.shard == "kv_heads":
+        return min(tp, model.attention.num_kv_heads)
+    return tp
+
+
+def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
+                            parallel: Parallelism) -> dict[str, int]:
+    """Weight bytes each GPU holds, by component."""
+    result = {}
+    for name, part in model.components().items():
+        fmt = scheme.get(name, WeightFormat(FLOAT_DTYPE))
+        total = 0
+        for linear in part.linears:
+            try:
+                per_matrix = fmt.linear_bytes(linear.out_features, linear.in_features)
+            except ConfigError as error:
+                raise PlannerError(f"{model.name} {name}: {error}") from None
+            shards = _shards(linear, name, model, parallel)
+            if name == "routed_experts" and parallel.expert_parallel:
+                total += ceil_div(linear.count, shards) * per_matrix           # whole experts per GPU
+            else:
+                total += linear.count * ceil_div(per_matrix, shards)
+        other_shards = parallel.tp if name == "embeddings" else 1
+        total += ceil_div(weight_bytes(part.other_parameters, FLOAT_DTYPE), other_shards)
+        result[name] = total
+    return result
+
+
+def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism) -> int:
+    """What one cached token costs each GPU that holds it."""
+    if kv_dtype not in KV_DTYPES:
+        raise PlannerError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    attention = model.attention
+    if attention.kind == "mla":
+        elements = attention.cache_elements_per_layer                      # replicated on every rank
+    else:
+        heads = ceil_div(attention.num_kv_heads, parallel.attention_tp)
+        elements = 2 * heads * attention.head_dim
+    per_token = cache_bytes_per_token(model.num_layers, elements, kv_dtype)
+    if attention.indexer_layers:
+        per_token += cache_bytes_per_token(attention.indexer_layers, attention.indexer_head_dim, kv_dtype,
+                                           scales_per_layer=1)
+    return per_token
+
+
+def kv_bytes_per_token_total(model: ModelSpec, kv_dtype: str) -> int:
+    """One token's cache on one GPU holding everything (no parallelism)."""
+    return kv_bytes_per_token_per_gpu(model, kv_dtype, Parallelism(1))
+
+
+def activation_bytes_per_gpu(model: ModelSpec, parallel: Parallelism, max_batched_tokens: int,
+                             max_seqs: int) -> int:
+    """The largest step's working set: hidden-sized buffers, the widest FFN slice, fp32 logits of the samples."""
+    ffn = model.ffn
+    widest = max(ffn.dense_intermediate, ffn.shared_intermediate, ffn.experts_per_token * ffn.expert_intermediate)
+    per_token = ACTIVATION_WIDTHS * model.hidden_size + 2 * ceil_div(widest, parallel.tp)
+    logits = max_seqs * ceil_div(model.vocab_size, parallel.tp) * 4
+    return weight_bytes(max_batched_tokens * per_token, FLOAT_DTYPE) + logits + WORKSPACE_BYTES
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    hardware: str
+    parallel: Parallelism
+    weights: str
+    kv_dtype: str
+    page_size: int
+    memory_bytes_per_gpu: int
+    usable_bytes_per_gpu: int
+    weights_by_component: dict[str, int]
+    activation_bytes_per_gpu: int
+    runtime_bytes_per_gpu: int
+    kv_pool_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_pages_per_replica: int
+    max_position_embeddings: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weights_bytes_per_gpu(self) -> int:
+        return sum(self.weights_by_component.values())
+
+    @property
+    def replica_capacity_tokens(self) -> int:
+        return self.kv_pages_per_replica * self.page_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole deployment can keep cached at once."""
+        return self.parallel.replicas * self.replica_capacity_tokens
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(self.replica_capacity_tokens, self.max_position_embeddings)
+
+    @property
+    def max_context_reason(self) -> str:
+        if self.replica_capacity_tokens >= self.max_position_embeddings:
+            return f"the model's position limit ({self.max_position_embeddings} tokens)"
+        return f"the KV pool of one replica ({self.replica_capacity_tokens} tokens)"
+
+    def max_concurrency(self, context_tokens: int) -> int:
+        """Requests of `context_tokens` each that the KV pools hold at once (whole pages per request)."""
+        if not isinstance(context_tokens, int) or context_tokens <= 0:
+            raise PlannerError(f"the context must be a positive number of tokens, got {context_tokens!r}")
+        if context_tokens > self.max_position_embeddings:
+            raise PlannerError(f"a context of {context_tokens} tokens is above {self.model}'s limit of "
+                               f"{self.max_position_embeddings}")
+        per_request = ceil_div(context_tokens, self.page_size)
+        return self.parallel.replicas * (self.kv_pages_per_replica // per_request)
+
+    def breakdown(self) -> dict[str, int]:
+        """Where each GPU's memory goes; `headroom` is what the utilization fraction leaves unused
+        (plus the part of a page that does not fit)."""
+        parts = {"weights": self.weights_bytes_per_gpu, "kv_cache": self.kv_pool_bytes_per_gpu,
+                 "activations": self.activation_bytes_per_gpu, "runtime": self.runtime_bytes_per_gpu}
+        return parts | {"headroom": self.memory_bytes_per_gpu - sum(parts.values())}
+
+
+def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, weights: str, kv_dtype: str,
+                group_size: int = 128, utilization: float = 0.9, page_size: int = DEFAULT_PAGE_SIZE,
+                max_batched_tokens: int = DEFAULT_BATCHED_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS,
+                max_model_len: int | None = None) -> MemoryPlan:
+    if not 0 < utilization <= 1:
+        raise PlannerError(f"memory utilization must be in (0, 1], got {utilization!r}")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise PlannerError(f"the page size must be a positive number of tokens, got {page_size!r}")
+    limit = model.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len <= 0 or max_model_len > limit:
+            raise PlannerError(f"max model length {max_model_len} must be in 1..{limit} for {model.name}")
+        limit = max_model_len
+    scheme = weight_scheme(model, weights, group_size)
+    by_component = component_bytes_per_gpu(model, scheme, parallel)
+    usable = int(hardware.memory_bytes * utilization)
+    activations = activation_bytes_per_gpu(model, parallel, max_batched_tokens, max_seqs)
+    runtime = RUNTIME_RESERVE_BYTES
+    pool = usable - sum(by_component.values()) - activations - runtime
+    per_token = kv_bytes_per_token_per_gpu(model, kv_dtype, parallel)
+    notes = []
+    if pool <= 0:
+        notes.append(f"the weights ({sum(by_component.values()) / GIB:.1f} GiB per GPU) and reserves do not fit "
+                     f"in {usable / GIB:.1f} GiB usable per GPU: no room for a KV cache")
+        pool = 0
+    pages = pool // (per_token * page_size)
+    return MemoryPlan(model.name, hardware.key, parallel, weights, kv_dtype, page_size, hardware.memory_bytes,
+                      usable, by_component, activations, runtime, pool, per_token, pages, limit, notes)

@@ -1,0 +1,258 @@
+"""Discrete-event simulation of serving: SimPy processes around the engine's own scheduler.
+
+    arrivals ──► router ──► replica 0: Scheduler + BlockManager ──► step ──► step ──► ...
+                        └─► replica 1: ...
+
+Each replica process does what `engine.llm.LLM.step` does, with a simulated clock: `schedule()` forms the
+batch (the same `engine.scheduler.Scheduler` and `engine.block_manager.BlockManager` the engine runs,
+preemptions included), the step lasts what the step-time model says for exactly that batch, then
+`update()` takes the sampled tokens. Requests are sequences whose output length is enforced
+(`ignore_eos`, `max_tokens`), so only lengths matter, never token values.
+
+Metrics follow `engine.metrics`: a token exists at the end of the step that sampled it.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import simpy
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.metrics import RequestTiming, summarize
+from engine.profile_format import batch_shape
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import SamplingParams, Sequence
+from planner.errors import PlannerError
+from planner.step_model import BatchShape
+from planner.workload import RequestSpec, Workload
+
+ROUTERS = ("round-robin", "least-loaded")
+StepTime = Callable[[SchedulerOutput], float]
+
+
+def model_step_time(step_seconds: Callable[[BatchShape], float]) -> StepTime:
+    """A step-time function of the scheduler's batch, from one of a `BatchShape`."""
+    def seconds(output: SchedulerOutput) -> float:
+        return step_seconds(BatchShape(**batch_shape(output)))
+    return seconds
+
+
+def replayed_step_time(durations: list[float]) -> StepTime:
+    """Measured step durations, in order: the simulator then keeps the engine's own clock."""
+    remaining: Iterator[float] = iter(durations)
+
+    def seconds(_output: SchedulerOutput) -> float:
+        try:
+            return next(remaining)
+        except StopIteration:
+            raise PlannerError(f"the simulation ran more steps than the {len(durations)} replayed") from None
+    return seconds
+
+
+@dataclass
+class StepRecord:
+    replica: int
+    start_s: float
+    duration_s: float
+    batch: list[tuple[int, int, int]]       # (request id, start token, new tokens) in schedule order
+    pages_in_use: int
+    running: int
+
+
+@dataclass
+class SimulationResult:
+    timings: list[RequestTiming]
+    steps: list[StepRecord]             # empty unless steps were recorded
+    num_steps: int
+    peak_running: int                   # the most requests running at once on one replica
+    kv_utilization_peak: float          # the fullest any replica's pool got
+    replicas: int
+    wall_s: float
+    preemptions: int
+
+    def report(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+        out = summarize(self.timings, slo_ttft_s, slo_tpot_s)
+        out.update({
+            "max_concurrency_reached": self.peak_running,
+            "preemptions": self.preemptions,
+            "kv_utilization_peak": self.kv_utilization_peak,
+            "steps": self.num_steps,
+            "sim_wall_s": self.wall_s,
+        })
+        return out
+
+
+class Replica:
+    """One engine: its scheduler and allocator, and the process that steps them."""
+
+    def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
+                 sim: Simulation) -> None:
+        self.env = env
+        self.index = index
+        self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size))
+        self.step_time = step_time
+        self.sim = sim
+        self.wakeup = env.event()
+        self.unfinished = 0
+        env.process(self.run())
+
+    def submit(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.unfinished += 1
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def run(self):
+        """Steps while there is work; sleeps until a request arrives when there is none."""
+        scheduler, env, sim = self.scheduler, self.env, self.sim
+        timings = sim.timings
+        while True:
+            if not scheduler.has_unfinished():
+                yield self.wakeup
+                self.wakeup = env.event()
+                continue
+            output = scheduler.schedule()
+            if output.is_empty:
+                raise PlannerError("the scheduler formed an empty batch with requests waiting: a request "
+                                   "larger than the KV pool")
+            start = env.now
+            duration = self.step_time(output)
+            yield env.timeout(duration)
+            sampled = {item.seq.seq_id: 0 for item in output.scheduled if item.samples}
+            sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
+                          len(scheduler.running))
+            now = env.now
+            for seq_id in sampled:
+                timing = timings[seq_id]
+                if timing.first_token_s is None:
+                    timing.first_token_s = now
+            for seq in scheduler.update(output, sampled):
+                timing = timings[seq.seq_id]
+                if timing.finish_s is not None:
+                    raise PlannerError(f"request {seq.seq_id} finished twice")
+                timing.finish_s = now
+                timing.output_tokens = len(seq.output_token_ids)
+                timing.preemptions = seq.num_preemptions
+                self.unfinished -= 1
+                sim.finished(seq.seq_id)
+
+
+class Simulation:
+    """Requests of a workload through `replicas` engines behind a router."""
+
+    def __init__(self, config: SchedulerConfig, step_time: StepTime | Callable[[int], StepTime], replicas: int = 1,
+                 router: str = "least-loaded", record_steps: bool = True, progress: bool = False) -> None:
+        if router not in ROUTERS:
+            raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
+        if not isinstance(replicas, int) or replicas <= 0:
+            raise PlannerError(f"the number of replicas must be a positive integer, got {replicas!r}")
+        self.config = config
+        self.env = simpy.Environment()
+        self.timings: dict[int, RequestTiming] = {}
+        self.steps: list[StepRecord] = []
+        self.record_steps = record_steps
+        self.peak_pages = 0
+        self.peak_running = 0
+        self.step_count = 0
+        self.router = router
+        self._round_robin = itertools.cycle(range(replicas))
+        self.replicas = [Replica(self.env, i, config, step_time, self) for i in range(replicas)]
+        self._closed_loop: Callable[[int], None] | None = None
+        self._bar = _progress_bar() if progress else None
+
+    def note_step(self, replica: int, start: float, duration: float, output: SchedulerOutput, pages: int,
+                  running: int) -> None:
+        self.step_count += 1
+        if pages > self.peak_pages:
+            self.peak_pages = pages
+        if running > self.peak_running:
+            self.peak_running = running
+        if self.record_steps:
+            self.steps.append(StepRecord(replica, start, duration, [(item.seq.seq_id, item.start, item.num_new_tokens)
+                                                                     for item in output.scheduled], pages, running))
+
+    def finished(self, seq_id: int) -> None:
+        if self._bar is not None:
+            self._bar.update()
+        if self._closed_loop is not None:
+            self._closed_loop(seq_id)
+
+    def _route(self) -> Replica:
+        if self.router == "round-robin":
+            return self.replicas[next(self._round_robin)]
+        return min(self.replicas, key=lambda replica: replica.unfinished)
+
+    def submit(self, request: RequestSpec) -> None:
+        total = request.prompt_tokens + request.output_tokens
+        if total > self.config.max_model_len or total > self.config.capacity_tokens:
+            raise PlannerError(f"request {request.request_id}: {request.prompt_tokens} + {request.output_tokens} "
+                               f"tokens exceed the context ({self.config.max_model_len}) or the KV pool "
+                               f"({self.config.capacity_tokens})")
+        seq = Sequence([0] * request.prompt_tokens, SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                       seq_id=request.request_id)
+        self.timings[request.request_id] = RequestTiming(request.request_id, self.env.now, request.prompt_tokens)
+        self._route().submit(seq)
+
+    def _open_arrivals(self, requests: list[RequestSpec]):
+        """Sends each request at its arrival time."""
+        for request in requests:
+            delay = request.arrival_s - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            self.submit(request)
+
+    def run(self, workload: Workload | list[RequestSpec], users: int | None = None,
+            think_time_s: float = 0.0) -> SimulationResult:
+        """Simulates until every request has finished."""
+        if isinstance(workload, Workload):
+            users, think_time_s = workload.users, workload.think_time_s
+            closed = workload.arrival == "closed"
+            requests = workload.requests()
+        else:
+            requests, closed = workload, users is not None
+        if self._bar is not None:
+            self._bar.reset(total=len(requests))
+        start = time.perf_counter()
+        if closed:
+            pending = iter(requests)
+
+            def send_next(_finished: int | None = None) -> None:
+                request = next(pending, None)
+                if request is None:
+                    return
+                if think_time_s and _finished is not None:
+                    self.env.process(self._after(think_time_s, request))
+                else:
+                    self.submit(request)
+
+            self._closed_loop = send_next
+            for _ in range(min(users, len(requests))):
+                send_next()
+        else:
+            self.env.process(self._open_arrivals(requests))
+        self.env.run()
+        if self._bar is not None:
+            self._bar.close()
+        unfinished = [r.request_id for r in requests if self.timings.get(r.request_id) is None
+                      or self.timings[r.request_id].finish_s is None]
+        if unfinished:
+            raise PlannerError(f"{len(unfinished)} requests never finished (first: {unfinished[0]})")
+        return SimulationResult(list(self.timings.values()), self.steps, self.step_count, self.peak_running,
+                                self.peak_pages / self.config.num_pages, len(self.replicas),
+                                time.perf_counter() - start, sum(r.scheduler.num_preemptions for r in self.replicas))
+
+    def _after(self, delay: float, request: RequestSpec):
+        """Submits a closed-loop user's next request after its think time."""
+        yield self.env.timeout(delay)
+        self.submit(request)
+
+
+def _progress_bar():
+    from tqdm import tqdm
+
+    return tqdm(total=0, file=sys.stderr, unit="req", dynamic_ncols=True, disable=None)

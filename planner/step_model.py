@@ -1,0 +1,170 @@
+"""Step-time model: how long one engine step takes, from the bytes it moves and the FLOPs it does.
+
+One step runs a batch of decodes (one new token each, reading its whole cached context) and prefill
+chunks (many new tokens, reading the chunk's context so far). Its cost has four physical parts:
+
+    bytes  = weights read once per step (for MoE: only the experts the batch's tokens route to; where a
+             quantized weight is widened for a big step, the widened copy written and read too)
+           + every sequence's cached KV read by attention + the new tokens' KV written
+    flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs)
+           + the output head for each sequence's sampled row
+
+    t_memory  = weight bytes / (bandwidth_efficiency × peak bandwidth)
+              + widened weight bytes / (dequant_efficiency × peak bandwidth)
+              + KV bytes / (kv_bandwidth_efficiency × peak bandwidth)
+    t_compute = linear flops / (compute_efficiency × peak FLOP/s)
+              + attention flops / (attention_efficiency × peak FLOP/s)
+    t_step    = step_overhead + seq_overhead × sequences
+                + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
+
+Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
+converts every element (on a CPU that conversion, not DRAM, sets the pace). Attention FLOPs too: its kernels reach a different share of the peak than the GEMMs do
+(on a CPU the masked softmax of a long prefill is far below it). `overlap` is the share of the shorter of the two that hides under the longer (1 on a GPU that streams
+weights while its tensor cores work; lower on a CPU where the same cores do both). The efficiencies and
+overheads are fitted to a profile of the real engine (`planner.calibration`); without one the
+documented defaults below stand in. Torch-free: the simulator calls it for every step it simulates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What a model's step costs, per GPU: the planner divides the weights and KV by parallelism first."""
+
+    dense_weight_bytes: float           # read every step whatever the batch: attention, dense FFN, shared experts, head
+    linear_flops_per_token: float       # 2 × active linear parameters of the decoder layers
+    attention_flops_per_pair: float     # per (new token, cached token) pair: QK and PV over all layers and heads
+    kv_bytes_per_token: float
+    head_flops_per_sequence: float = 0.0   # 2 × vocab × hidden: logits only for the row each sequence samples
+    expert_weight_bytes: float = 0.0    # what this GPU holds of one routed expert in one layer
+    num_moe_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    local_experts: int | None = None    # experts this GPU holds (part of each, or whole ones under EP); None: all
+    fused_max_tokens: int | None = None     # steps of more new tokens widen quantized weights first (None: never)
+    dequantized_weight_bytes: float = 0.0   # what widening writes and the matmul then reads again
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            if (getattr(self, item.name) or 0) < 0:
+                raise ValueError(f"{item.name} must be >= 0, got {getattr(self, item.name)!r}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token must be in 1..{self.num_experts}, got {self.experts_per_token}")
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Dense weights, plus the routed experts that `num_tokens` tokens touch in expectation (uniform routing)."""
+        if not self.num_experts or num_tokens <= 0:
+            return self.dense_weight_bytes
+        untouched = (1.0 - self.experts_per_token / self.num_experts) ** num_tokens
+        local = self.num_experts if self.local_experts is None else self.local_experts
+        return self.dense_weight_bytes + self.num_moe_layers * local * (1.0 - untouched) * self.expert_weight_bytes
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A step's batch as the step model needs it: counts and sums, so that 256 sequences cost O(1)."""
+
+    num_decodes: int = 0
+    decode_context_tokens: int = 0      # sum over decodes of the context each one reads (its new token included)
+    num_prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0              # sum over prefill chunks of (new token, visible token) pairs
+    prefill_context_tokens: int = 0     # sum over prefill chunks of the context each one reads (itself included)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+    @property
+    def new_tokens(self) -> int:
+        return self.num_decodes + self.prefill_tokens
+
+    @staticmethod
+    def chunk_pairs(num_tokens: int, context_end: int) -> int:
+        """Causal pairs of a chunk of `num_tokens` new tokens ending at position `context_end`."""
+        return num_tokens * context_end - num_tokens * (num_tokens - 1) // 2
+
+    @classmethod
+    def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> BatchShape:
+        """From decode context lengths and (new tokens, context end) of each prefill chunk."""
+        return cls(len(decode_contexts), sum(decode_contexts), len(prefill_chunks),
+                   sum(n for n, _ in prefill_chunks), sum(cls.chunk_pairs(n, end) for n, end in prefill_chunks),
+                   sum(end for _, end in prefill_chunks))
+
+
+@dataclass(frozen=True)
+class StepParameters:
+    """The fitted coefficients; the defaults are used for hardware without a calibration."""
+
+    step_overhead_s: float = 2e-3
+    seq_overhead_s: float = 2e-5
+    bandwidth_efficiency: float = 0.8
+    kv_bandwidth_efficiency: float = 0.6
+    dequant_efficiency: float = 0.5
+    compute_efficiency: float = 0.5
+    attention_efficiency: float = 0.3
+    overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{item.name} must be a finite number >= 0, got {value!r}")
+        for name in ("bandwidth_efficiency", "kv_bandwidth_efficiency", "dequant_efficiency", "compute_efficiency",
+                     "attention_efficiency"):
+            if not 0 < getattr(self, name) <= 1.5:
+                raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
+        if self.overlap > 1:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """The hardware's peak rates for this model's dtypes."""
+
+    bandwidth_bytes_per_s: float
+    flops_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_bytes_per_s > 0 and self.flops_per_s > 0):
+            raise ValueError(f"peak bandwidth and FLOP/s must be positive, got {self}")
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    weight_bytes: float
+    dequant_bytes: float
+    kv_bytes: float
+    linear_flops: float
+    attention_flops: float
+    num_seqs: int
+
+
+def step_terms(costs: ModelCosts, batch: BatchShape) -> StepTerms:
+    kv_read = costs.kv_bytes_per_token * (batch.decode_context_tokens + batch.prefill_context_tokens)
+    kv_written = costs.kv_bytes_per_token * batch.new_tokens
+    linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
+    attention = costs.attention_flops_per_pair * (batch.decode_context_tokens + batch.prefill_pairs)
+    widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
+    return StepTerms(costs.weight_bytes_read(batch.new_tokens), costs.dequantized_weight_bytes if widens else 0.0,
+                     kv_read + kv_written, linear, attention, batch.num_seqs)
+
+
+def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
+    memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.dequant_bytes / params.dequant_efficiency
+              + terms.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
+    compute = (terms.linear_flops / params.compute_efficiency
+               + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
+    longer, shorter = max(memory, compute), min(memory, compute)
+    return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
+            + longer + (1.0 - params.overlap) * shorter)
+
+
+def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape) -> float:
+    """Seconds for one step of `batch`; zero for an empty batch."""
+    if batch.num_seqs == 0:
+        return 0.0
+    return combine(step_terms(costs, batch), peaks, params)

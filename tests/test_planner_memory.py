@@ -1,0 +1,252 @@
+"""Planner catalogues and memory model: hand-computed bytes, published parameter counts, directions."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import ModelConfig
+from engine.memory import WeightFormat, model_weight_bytes
+from planner.capacity import Deployment, evaluate, kv_dtype_comparison, weight_dtype_comparison
+from planner.errors import PlannerError
+from planner.hardware import get_hardware, hardware_names
+from planner.memory_plan import (Parallelism, component_bytes_per_gpu, kv_bytes_per_token_total, plan_memory,
+                                 weight_scheme)
+from planner.models import CONFIGS, get_model, model_names, spec_from_config
+from conftest import REPO
+
+B = 1e9
+
+
+def test_kv_bytes_per_token_by_hand():
+    # Llama-3.1-8B: K and V x 32 layers x 8 KV heads x 128 dims x 2 bytes
+    assert kv_bytes_per_token_total(get_model("llama-3.1-8b"), "bf16") == 2 * 32 * 8 * 128 * 2 == 131_072
+    # MLA: one latent of 512 plus a rope key of 64 per layer, 61 layers, 2 bytes
+    for name in ("deepseek-v3", "kimi-k2.6"):
+        assert kv_bytes_per_token_total(get_model(name), "bf16") == 61 * (512 + 64) * 2 == 70_272
+    # GLM-5.2: MLA over 78 layers plus the DSA indexer key (128) on the 19 layers holding an indexer
+    assert kv_bytes_per_token_total(get_model("glm-5.2"), "bf16") == 78 * 576 * 2 + 19 * 128 * 2
+    assert kv_bytes_per_token_total(get_model("glm-5.2"), "fp8") == 78 * 576 + 19 * (128 + 4)
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("llama-3.1-8b", 8.03 * B, 8.03 * B),
+    ("llama-3.1-70b", 70.6 * B, 70.6 * B),
+    ("qwen3-235b-a22b", 235 * B, 22 * B),
+    ("deepseek-v3", 671 * B, None),
+    ("qwen3-30b-a3b", 30.5 * B, None),
+])
+def test_parameter_counts_match_published_totals(name, total, active):
+    model = get_model(name)
+    if total is not None:
+        assert model.total_parameters == pytest.approx(total, rel=0.01)
+    if active is not None:
+        assert model.active_parameters == pytest.approx(active, rel=0.01)
+
+
+def test_parameter_counts_where_the_published_figures_round_differently():
+    """Counted from the public configs: DeepSeek V3 37.55B active (published "37B"), Kimi K2 1.026T total
+    and 32.9B active (published "1.04T" and "32B"), Qwen3-30B-A3B 3.35B active (published "3.3B"),
+    Llama 4 Scout 17.17B active (published "17B"). The text model alone; MTP layers and vision towers
+    are outside `total`. The gaps stay within 3%."""
+    deepseek, kimi = get_model("deepseek-v3"), get_model("kimi-k2.6")
+    assert deepseek.active_parameters == pytest.approx(37 * B, rel=0.02)
+    assert kimi.total_parameters == pytest.approx(1.04e12, rel=0.015)
+    assert kimi.active_parameters == pytest.approx(32 * B, rel=0.03)
+    assert get_model("qwen3-30b-a3b").active_parameters == pytest.approx(3.3 * B, rel=0.02)
+    assert get_model("llama-4-scout").active_parameters == pytest.approx(17 * B, rel=0.02)
+    assert deepseek.mtp_parameters == pytest.approx(11.6 * B, rel=0.05)      # 685B checkpoint - 671B, about
+
+
+def test_every_preset_parses_and_components_add_up():
+    for name in model_names():
+        model = get_model(name)
+        parts = model.component_parameters()
+        assert sum(parts.values()) == model.total_parameters > 0
+        assert model.active_parameters <= model.total_parameters
+        assert model.is_moe == (parts["routed_experts"] > 0)
+
+
+def test_planner_agrees_with_the_engine_on_smollm2_bytes():
+    config = json.loads((CONFIGS / "smollm2-135m.json").read_text())
+    engine_model = ModelConfig.from_hf(config, "smollm2-135m")
+    planner_model = spec_from_config(config, "smollm2-135m")
+    assert planner_model.total_parameters == engine_model.num_parameters
+    for fmt in (WeightFormat("bf16"), WeightFormat("fp8"), WeightFormat("int4", 64, scale_dtype="bf16")):
+        engine_bytes = model_weight_bytes(engine_model.linear_shapes(), engine_model.num_layers, 0, fmt, "bf16")
+        scheme = {name: fmt for name in ("attention", "dense_ffn")}
+        planner_bytes = component_bytes_per_gpu(planner_model, scheme, Parallelism(1))
+        assert planner_bytes["attention"] + planner_bytes["dense_ffn"] == engine_bytes
+
+
+def test_weight_bytes_by_hand():
+    llama = get_model("llama-3.1-8b")
+    bf16 = component_bytes_per_gpu(llama, weight_scheme(llama, "bf16"), Parallelism(1))
+    assert sum(bf16.values()) == 2 * llama.total_parameters
+    fp8 = component_bytes_per_gpu(llama, weight_scheme(llama, "fp8"), Parallelism(1))
+    # q, k, v, o, gate, up, down per layer: one fp32 scale per output row
+    rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+    assert fp8["attention"] + fp8["dense_ffn"] == (bf16["attention"] + bf16["dense_ffn"]) // 2 + 4 * rows
+    kimi = get_model("kimi-k2.6")
+    native = component_bytes_per_gpu(kimi, weight_scheme(kimi, "native"), Parallelism(1))
+    routed = kimi.component_parameters()["routed_experts"]
+    assert native["routed_experts"] == routed // 2 + routed // 32 * 2       # INT4 g32, one bf16 scale per group
+    assert native["attention"] == 2 * kimi.component_parameters()["attention"]
+
+
+def test_tensor_parallelism_divides_weights_and_gqa_heads():
+    llama = get_model("llama-3.1-8b")
+    one = plan_memory(llama, get_hardware("h100-sxm"), Parallelism(1), "bf16", "bf16")
+    two = plan_memory(llama, get_hardware("h100-sxm"), Parallelism(2), "bf16", "bf16")
+    assert two.kv_bytes_per_token_per_gpu * 2 == one.kv_bytes_per_token_per_gpu
+    assert two.weights_bytes_per_gpu == pytest.approx(one.weights_bytes_per_gpu / 2, rel=1e-4)   # norms replicated
+    sixteen = plan_memory(llama, get_hardware("h100-sxm"), Parallelism(16), "bf16", "bf16")
+    assert sixteen.kv_bytes_per_token_per_gpu == 2 * 32 * 1 * 128 * 2        # 8 KV heads: one each, replicated
+
+
+def test_mla_latent_is_replicated_unless_attention_is_data_parallel():
+    kimi = get_model("kimi-k2.6")
+    tp = plan_memory(kimi, get_hardware("h200"), Parallelism(8), "native", "bf16")
+    dp = plan_memory(kimi, get_hardware("h200"), Parallelism(8, attention_data_parallel=True), "native", "bf16")
+    assert tp.kv_bytes_per_token_per_gpu == dp.kv_bytes_per_token_per_gpu == 70_272
+    assert tp.parallel.replicas == 1 and dp.parallel.replicas == 8
+    assert dp.weights_by_component["attention"] > 3 * tp.weights_by_component["attention"]   # all heads on each GPU
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-70b", "kimi-k2.6", "glm-5.2", "qwen3-235b-a22b"])
+def test_fp8_kv_doubles_capacity_less_its_scale_overhead(name):
+    comparison = kv_dtype_comparison(Deployment(name, "h200", 8, "int4", context=8192))
+    model = get_model(name)
+    ratio = kv_bytes_per_token_total(model, "bf16") / kv_bytes_per_token_total(model, "fp8")
+    assert 1.95 <= ratio <= 2.0
+    assert ratio * 0.99 <= comparison["capacity_ratio"] <= ratio * 1.01
+    assert comparison["concurrency_ratio"] >= 1.9
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_int4_weights_never_increase_any_byte_count(name):
+    model = get_model(name)
+    parallel = Parallelism(8 if model.total_parameters > 200 * B else 1)
+    by_dtype = {w: component_bytes_per_gpu(model, weight_scheme(model, w, 64 if name == "smollm2-135m" else 128),
+                                           parallel) for w in ("bf16", "fp8", "int4")}
+    for component, int4_bytes in by_dtype["int4"].items():
+        assert int4_bytes <= by_dtype["fp8"][component] <= by_dtype["bf16"][component], component
+
+
+@pytest.mark.parametrize("name, weights", [("llama-3.1-70b", "fp8"), ("kimi-k2.6", "native"),
+                                           ("qwen3-30b-a3b", "bf16"), ("glm-5.2", "int4")])
+def test_more_gpus_never_lower_capacity_and_longer_contexts_never_raise_concurrency(name, weights):
+    model = get_model(name)
+    capacities = [plan_memory(model, get_hardware("h200"), Parallelism(n), weights, "fp8").kv_capacity_tokens
+                  for n in (1, 2, 4, 8)]
+    assert capacities == sorted(capacities)
+    plan = plan_memory(model, get_hardware("h200"), Parallelism(8), weights, "fp8")
+    concurrency = [plan.max_concurrency(c) for c in (1024, 4096, 8192, 32768, model.max_position_embeddings)]
+    assert concurrency == sorted(concurrency, reverse=True)
+
+
+def test_max_context_names_its_limit():
+    small = plan_memory(get_model("llama-3.1-70b"), get_hardware("l40s"), Parallelism(1), "int4", "bf16")
+    assert small.max_context_tokens == small.replica_capacity_tokens < 131072
+    assert "KV pool" in small.max_context_reason
+    big = plan_memory(get_model("llama-3.1-8b"), get_hardware("h200"), Parallelism(1), "fp8", "fp8")
+    assert big.max_context_tokens == 131072 and "position limit" in big.max_context_reason
+
+
+def test_int4_against_fp8_weights_on_a_memory_bound_decode():
+    result = weight_dtype_comparison(Deployment("llama-3.1-8b", "h100-sxm", 1, kv_dtype="fp8"))
+    assert result["weight_bytes_ratio"] < 0.7
+    assert result["single_stream_speedup"] > 1.2
+    assert result["prefill_speedup"] <= 1.0           # prefill stays compute-bound
+
+
+def test_import_planner_does_not_import_torch():
+    code = ("import sys, planner, planner.cli, planner.capacity, planner.models, planner.memory_plan, "
+            "planner.calibration, planner.hardware, planner.step_model; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+
+
+def planner_cli(*args: str):
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+def test_plan_json_has_the_documented_keys():
+    result = planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--weights", "native",
+                         "--kv", "fp8", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert set(payload) == {"weights_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_capacity_tokens",
+                            "max_context_tokens", "max_concurrency", "decode_tokens_per_s", "prefill_tokens_per_s",
+                            "cost_per_million_tokens"}
+    assert payload["kv_bytes_per_token_per_gpu"] == 35_136 and payload["max_concurrency"] > 0
+    cheaper = planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--weights",
+                          "native", "--kv", "fp8", "--gpu-hour-usd", "1.75", "--json")
+    assert json.loads(cheaper.stdout)["cost_per_million_tokens"] == pytest.approx(
+        payload["cost_per_million_tokens"] / 2, rel=1e-3)
+
+
+def test_plan_and_compare_print_tables():
+    plan = planner_cli("plan", "--model", "llama-3.1-8b", "--hardware", "l4", "--gpus", "1", "--weights", "int4",
+                       "--kv", "fp8")
+    assert plan.returncode == 0 and "max concurrency" in plan.stdout and "GiB" in plan.stdout
+    compare = planner_cli("compare", "--model", "qwen3-32b", "--hardware", "a100-80gb", "--gpus", "2", "--json")
+    rows = json.loads(compare.stdout)["rows"]
+    assert {(row["weights"], row["kv"]) for row in rows} == {(w, kv) for w in ("bf16", "fp8", "int4", "native")
+                                                             for kv in ("bf16", "fp8")}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5", "--hardware", "h200", "--gpus", "8"], "unknown model 'gpt-5' (choose from kimi-k2.6"),
+    (["--model", "kimi-k2.6", "--hardware", "tpu-v5", "--gpus", "8"], "unknown hardware 'tpu-v5' (choose from h100"),
+    (["--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "0"], "GPUs must be a positive integer, got 0"),
+    (["--model", "llama-3.1-8b", "--hardware", "h200", "--gpus", "1", "--context", "200000"],
+     "200000 tokens is above llama-3.1-8b's limit of 131072"),
+    (["--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--kv", "int8"], "unknown KV dtype 'int8'"),
+    (["--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "3", "--tp", "2"], "must divide the 3 GPUs"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = planner_cli("plan", *args)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 12}))
+    result = planner_cli("plan", "--model", str(config), "--hardware", "h200", "--gpus", "1")
+    assert result.returncode == 2 and "unsupported architecture 'gpt2'" in result.stderr
+    with pytest.raises(PlannerError, match="lacks the key"):
+        spec_from_config({"model_type": "llama"}, "broken")
+
+
+def test_hardware_catalogue_is_complete():
+    assert {"h100-sxm", "h200", "b200", "a100-80gb", "l4", "l40s", "cpu"} <= set(hardware_names())
+    h200 = get_hardware("h200")
+    assert h200.memory_bytes == 143_771 * 2 ** 20
+    assert h200.peak_flops("fp8") == pytest.approx(2 * h200.peak_flops("bf16"), rel=1e-3)
+    assert get_hardware("a100-80gb").peak_flops("fp8") == get_hardware("a100-80gb").peak_flops("bf16")
+    assert evaluate(Deployment("llama-3.1-8b", "h100-sxm", 1, "fp8", "fp8")).parameters_source.startswith("defaults")
+
+
+@pytest.mark.parametrize("config, total, active", [
+    (dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+          num_experts_per_tok=2, max_position_embeddings=32768), 46.7 * B, 12.9 * B),       # Mixtral 8x7B
+    (dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+          num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768),
+     7.61 * B, None),                                                                        # Qwen2-7B
+    (dict(model_type="glm4_moe", hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+          num_hidden_layers=92, num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=151552,
+          n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3,
+          max_position_embeddings=131072, attention_bias=True, num_nextn_predict_layers=1), 355 * B, None),  # GLM-4.5
+])
+def test_other_families_parse_to_their_published_sizes(config, total, active):
+    model = spec_from_config(config, config["model_type"])
+    assert model.total_parameters == pytest.approx(total, rel=0.01)
+    if active is not None:
+        assert model.active_parameters == pytest.approx(active, rel=0.01)

@@ -1,0 +1,186 @@
+"""The SimPy simulator: invariants, directions, determinism, workloads, and agreement with the real engine."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.config import SchedulerConfig
+from planner.capacity import Deployment, preemption_onset
+from planner.errors import PlannerError
+from planner.simulator import Simulation, model_step_time, replayed_step_time
+from planner.step_model import BatchShape
+from planner.workload import LengthDistribution, RequestSpec, Workload, read_trace
+from conftest import REPO
+
+
+def toy_step(batch: BatchShape) -> float:
+    return 0.01 + 2e-4 * batch.num_seqs + 2e-5 * batch.prefill_tokens + 1e-8 * batch.decode_context_tokens
+
+
+def toy_simulation(num_pages: int = 400, replicas: int = 1, router: str = "least-loaded") -> Simulation:
+    config = SchedulerConfig(num_pages=num_pages, page_size=16, max_num_seqs=64, max_num_batched_tokens=1024,
+                             max_model_len=4096)
+    return Simulation(config, model_step_time(toy_step), replicas, router)
+
+
+WORKLOAD = Workload("poisson", 400, rate=8.0, prompt=LengthDistribution("uniform", low=50, high=400),
+                    output=LengthDistribution("uniform", low=20, high=200), seed=3)
+
+
+def test_invariants_pages_and_completion():
+    sim = toy_simulation(num_pages=150)
+    result = sim.run(WORKLOAD)
+    requests = WORKLOAD.requests()
+    assert len(result.timings) == len(requests) and all(t.finish_s is not None for t in result.timings)
+    assert [t.output_tokens for t in sorted(result.timings, key=lambda t: t.request_id)] == \
+        [r.output_tokens for r in requests]
+    assert max(step.pages_in_use for step in result.steps) <= 150
+    assert result.preemptions > 0                   # 150 pages of 16 tokens are too few for this load
+    for replica in sim.replicas:
+        replica.scheduler.block_manager.check_invariants()
+        assert replica.scheduler.block_manager.num_free_pages == 150
+
+
+def test_littles_law_in_steady_state():
+    workload = Workload("poisson", 3000, rate=6.0, prompt=LengthDistribution("fixed", 100),
+                        output=LengthDistribution("uniform", low=20, high=100), seed=11)
+    result = toy_simulation(num_pages=4000).run(workload)
+    timings = result.timings
+    start, end = 100.0, max(t.arrival_s for t in timings) - 50.0        # no warm-up, no drain
+    events = sorted([(t.arrival_s, 1) for t in timings] + [(t.finish_s, -1) for t in timings])
+    in_system, area, last = 0, 0.0, start
+    for moment, change in events:
+        if moment > end:
+            break
+        if moment > start:
+            area += in_system * (moment - last)
+            last = moment
+        in_system += change
+    area += in_system * (end - last)
+    average_in_system = area / (end - start)
+    window = [t for t in timings if start <= t.arrival_s < end]
+    rate = len(window) / (end - start)
+    mean_time = sum(t.e2e_s for t in window) / len(window)
+    assert average_in_system == pytest.approx(rate * mean_time, rel=0.05)
+
+
+def test_same_seed_same_results_other_seed_other_results():
+    first = toy_simulation().run(WORKLOAD).report()
+    second = toy_simulation().run(WORKLOAD).report()
+    for key in ("ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "preemptions", "steps"):
+        assert first[key] == second[key]
+    other = toy_simulation().run(Workload(**{**WORKLOAD.__dict__, "seed": 4})).report()
+    assert other["e2e_p50_s"] != first["e2e_p50_s"]
+
+
+def test_more_memory_never_raises_ttft_p99():
+    p99 = [toy_simulation(num_pages=pages).run(WORKLOAD).report()["ttft_p99_s"] for pages in (120, 200, 400, 1600)]
+    assert p99 == sorted(p99, reverse=True)
+
+
+def test_fp8_kv_never_lowers_the_kv_limited_concurrency():
+    workload = Workload("closed", 60, users=1, prompt=LengthDistribution("fixed", 6000),
+                        output=LengthDistribution("fixed", 500))
+    onset = {kv: preemption_onset(Deployment("llama-3.1-8b", "l4", 1, "fp8", kv, context=6500), workload, 64)
+             for kv in ("bf16", "fp8")}
+    assert 0 < onset["bf16"] < onset["fp8"]
+
+
+def test_routers_spread_requests_over_replicas():
+    for router in ("round-robin", "least-loaded"):
+        sim = toy_simulation(replicas=3, router=router)
+        result = sim.run(WORKLOAD)
+        steps_per_replica = [sum(1 for s in result.steps if s.replica == i) for i in range(3)]
+        assert min(steps_per_replica) > 0.5 * max(steps_per_replica)
+    single = toy_simulation().run(WORKLOAD).report()
+    assert toy_simulation(replicas=3).run(WORKLOAD).report()["ttft_p99_s"] < single["ttft_p99_s"]
+
+
+def test_closed_loop_keeps_the_users_busy():
+    workload = Workload("closed", 200, users=12, prompt=LengthDistribution("fixed", 64),
+                        output=LengthDistribution("fixed", 32))
+    result = toy_simulation(num_pages=4000).run(workload)
+    assert result.peak_running == 12
+    assert all(t.finish_s is not None for t in result.timings)
+
+
+def test_gamma_arrivals_are_burstier_than_poisson():
+    def gap_cv(arrival: str) -> float:
+        arrivals = np.array([r.arrival_s for r in Workload(arrival, 5000, rate=10, burstiness=3.0).requests()])
+        gaps = np.diff(arrivals)
+        return gaps.std() / gaps.mean()
+
+    assert gap_cv("poisson") == pytest.approx(1.0, abs=0.1)
+    assert gap_cv("gamma") == pytest.approx(3.0, rel=0.15)
+
+
+def test_length_distributions_and_traces(tmp_path):
+    rng = np.random.default_rng(0)
+    assert LengthDistribution.parse("512").sample(rng, 3).tolist() == [512] * 3
+    uniform = LengthDistribution.parse("uniform:10:20").sample(rng, 1000)
+    assert uniform.min() >= 10 and uniform.max() <= 20
+    lognormal = LengthDistribution.parse("lognormal:300:0.8").sample(rng, 20000)
+    assert np.median(lognormal) == pytest.approx(300, rel=0.05)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0.5, "prompt_tokens": 10, "output_tokens": 4}\n'
+                     '{"arrival_s": 0.1, "prompt_tokens": 30, "output_tokens": 2}\n')
+    requests = read_trace(trace)
+    assert [(r.arrival_s, r.prompt_tokens) for r in requests] == [(0.1, 30), (0.5, 10)]
+    assert LengthDistribution.parse(f"trace:{trace}:prompt_tokens").values == (30, 10)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0.5, "prompt_tokens": 10}\n')
+    with pytest.raises(PlannerError, match="line 1"):
+        read_trace(bad)
+    with pytest.raises(PlannerError, match="bad length 'uniform:9'"):
+        LengthDistribution.parse("uniform:9")
+
+
+def test_a_request_larger_than_the_pool_is_refused():
+    with pytest.raises(PlannerError, match="exceed"):
+        toy_simulation(num_pages=10).run([RequestSpec(0, 0.0, 150, 20)])
+
+
+def test_simulate_cli_json_and_errors():
+    args = ["simulate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--gpus", "1", "--weights", "fp8",
+            "--kv", "fp8", "--workload", "poisson", "--rate", "5", "--requests", "200", "--prompt-tokens", "512",
+            "--output-tokens", "uniform:50:150", "--json"]
+    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert set(payload) == {"completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s",
+                            "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached",
+                            "preemptions", "kv_utilization_peak", "sim_wall_s"}
+    assert payload["completed"] == 200 and 0 < payload["kv_utilization_peak"] <= 1
+    bad = subprocess.run([sys.executable, "-m", "planner.cli", *args[:-1], "--workload", "bursty"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "unknown workload 'bursty'" in bad.stderr
+
+
+def test_simulator_replays_the_engines_batches(english_prompts):
+    """The real engine serves staggered requests on a virtual clock; the simulator, given the engine's
+    measured step durations, forms exactly the same batches (ids, starts, token counts) in the same order."""
+    from engine.llm import LLM
+    from engine.serving import ServeRequest, serve
+
+    llm = LLM(model="smollm2-135m", device="cpu", num_pages=24, page_size=8, max_num_batched_tokens=96,
+              max_num_seqs=6, integrity="off")
+    rng = random.Random(5)
+    requests, arrival = [], 0.0
+    for prompt in english_prompts[:12]:
+        requests.append(ServeRequest(arrival, prompt, rng.randrange(3, 14)))
+        arrival += rng.choice((0.0, 0.05, 0.3))
+    served = serve(llm, requests, clock="virtual")
+    assert served.preemptions > 0                  # 24 pages of 8 tokens: the pool runs out
+    config = llm.scheduler_config
+    sim = Simulation(config, replayed_step_time([step.duration_s for step in served.steps]), record_steps=True)
+    result = sim.run([RequestSpec(i, r.arrival_s, len(r.prompt_token_ids), r.output_tokens)
+                      for i, r in enumerate(requests)])
+    assert [step.batch for step in result.steps] == [step.batch for step in served.steps]
+    assert result.preemptions == served.preemptions
+    engine_ttft = sorted((t.request_id, round(t.ttft_s, 9)) for t in served.timings)
+    assert sorted((t.request_id, round(t.ttft_s, 9)) for t in result.timings) == engine_ttft

@@ -1,0 +1,31 @@
+"""One small verification on this machine: SmolLM2 on CPU, 30 requests, engine against simulator."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+PROFILE = REPO / "planner" / "profiles" / "cpu-smollm2-135m-fp32-kvbf16.profile.json"
+
+
+def test_small_verification_against_the_engine(tmp_path, capsys):
+    args = ["verify", "--profile", str(PROFILE), "--workload", "poisson", "--rate", "4", "--requests", "30",
+            "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48", "--kv-cache-gib", "0.1",
+            "--seed", "1", "--out-dir", str(tmp_path), "--json"]
+    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    metrics = payload["metrics"]
+    with capsys.disabled():
+        print("\nverification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items()))
+    assert metrics["kv_capacity_tokens"]["error_pct"] == 0 and metrics["kv_capacity_tokens"]["measured"] > 0
+    assert payload["replay"]["same_batches"]
+    assert payload["replay"]["preemptions"]["predicted"] == payload["replay"]["preemptions"]["measured"]
+    assert abs(metrics["output_tokens_per_s"]["error_pct"]) < 15
+    assert abs(metrics["tpot_p50_s"]["error_pct"]) < 15
+    assert {"workload", "fingerprint"} <= set(payload)
+    assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
+    assert "plotly" in (tmp_path / "figure.html").read_text()
