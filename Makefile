@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.installed
 # The CPU build of torch lies on this machine's disk; a CUDA machine takes its own build from the project deps.
 CPU_TORCH ?= torch==2.13.0
 PROMPT ?= What is a KV cache, in one sentence?
+PORT ?= 8501
 
-.PHONY: setup test run bench clean
+.PHONY: setup test run chat bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +25,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)
+	@echo "kvplan dashboard: http://localhost:$(PORT)  (Kimi K2.6 on 8 x H200, native INT4 weights, FP8 KV)"
+	$(VENV)/bin/streamlit run app.py --server.headless true --server.port $(PORT) --browser.gatherUsageStats false
+
+chat: $(STAMP)
 	$(VENV)/bin/engine generate --model smollm2-135m --prompt "$(PROMPT)" --max-tokens 64
 
 bench: $(STAMP)

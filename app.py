@@ -1,0 +1,142 @@
+"""kvplan dashboard: plan, compare, simulate, verify. Layout only; the numbers come from `planner`."""
+from __future__ import annotations
+
+import streamlit as st
+
+from planner import dashboard
+from planner.capacity import Deployment
+from planner.errors import PlannerError
+from planner.hardware import hardware_names
+from planner.memory_plan import KV_DTYPES, WEIGHT_SCHEMES
+from planner.models import model_names
+from planner.workload import ARRIVALS, LengthDistribution, Workload
+
+PAGES = ("Plan", "Compare", "Simulate", "Verify")
+GIB = float(1 << 30)
+
+st.set_page_config(page_title="kvplan", layout="wide")
+
+
+def deployment_inputs() -> Deployment | None:
+    """The sidebar: model (preset or upload), hardware, GPUs, dtypes, context, price."""
+    default = dashboard.DEFAULT
+    sidebar = st.sidebar
+    models = model_names()
+    model = sidebar.selectbox("Model", models, index=models.index(default.model))
+    upload = sidebar.file_uploader("or upload a config.json", type=["json"])
+    if upload is not None:
+        try:
+            model = dashboard.model_from_upload(upload.getvalue())
+            sidebar.caption(f"using the uploaded config ({upload.name})")
+        except PlannerError as error:
+            st.error(f"Uploaded config rejected: {error}")
+            return None
+    hardware = sidebar.selectbox("Hardware", hardware_names(), index=hardware_names().index(default.hardware))
+    gpus = int(sidebar.number_input("GPUs", min_value=1, max_value=1024, value=default.gpus, step=1))
+    weights = sidebar.selectbox("Weights", WEIGHT_SCHEMES, index=WEIGHT_SCHEMES.index(default.weights))
+    kv = sidebar.selectbox("KV cache", KV_DTYPES, index=KV_DTYPES.index(default.kv_dtype))
+    context = int(sidebar.number_input("Context per request (tokens)", min_value=1, value=default.context, step=1024))
+    price = sidebar.number_input("USD per GPU-hour (0 = catalogue)", min_value=0.0, value=0.0, step=0.25)
+    return Deployment(model=model, hardware=hardware, gpus=gpus, weights=weights, kv_dtype=kv, context=context,
+                      gpu_hour_usd=price or None)
+
+
+def show_plan(deployment: Deployment) -> None:
+    view = dashboard.plan_view(deployment)
+    summary, details = view["summary"], view["details"]
+    st.subheader(f"{deployment.model} on {deployment.gpus} x {deployment.hardware}")
+    columns = st.columns(4)
+    columns[0].metric("Max context", f"{summary['max_context_tokens']:,} tokens")
+    columns[1].metric("Max concurrency", f"{summary['max_concurrency']:,}", help=f"at {deployment.context} tokens")
+    columns[2].metric("Decode", f"{summary['decode_tokens_per_s']:,.0f} tok/s")
+    columns[3].metric("Prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s")
+    columns = st.columns(4)
+    cost = summary["cost_per_million_tokens"]
+    columns[0].metric("Cost per 1M output tokens", "-" if cost is None else f"${cost:,.3f}")
+    columns[1].metric("Weights per GPU", f"{summary['weights_bytes_per_gpu'] / GIB:.1f} GiB")
+    columns[2].metric("KV capacity", f"{summary['kv_capacity_tokens']:,} tokens")
+    columns[3].metric("KV bytes per token per GPU", f"{summary['kv_bytes_per_token_per_gpu']:,}")
+    st.plotly_chart(view["figure"], key="plan-memory")
+    st.caption(f"Max context limited by {details['max_context_reason']}; step times from "
+               f"{details['parameters_source']}.")
+    for note in details["notes"]:
+        st.warning(note)
+
+
+def show_compare(deployment: Deployment) -> None:
+    view = dashboard.compare_view(deployment)
+    kv, weights = view["kv"], view["weights"]
+    st.subheader("BF16 against FP8 KV cache")
+    st.dataframe([{"KV": name, **kv[name]} for name in ("bf16", "fp8")])
+    st.write(f"FP8 KV: {kv['capacity_ratio']}x the context capacity, {kv['concurrency_ratio']}x the concurrency, "
+             f"{kv['decode_throughput_ratio']}x the decode throughput at each one's largest concurrency.")
+    st.subheader("FP8 against INT4 weights")
+    st.dataframe([{"weights": name, **weights[name]} for name in ("fp8", "int4")])
+    st.write(f"INT4: {weights['weight_bytes_ratio']}x the weight bytes, {weights['single_stream_speedup']}x the "
+             f"single-stream decode speed, {weights['prefill_speedup']}x the prefill speed (compute-bound).")
+    st.plotly_chart(view["figure"], key="compare-memory")
+    integrity = view["integrity"]
+    st.subheader("KV-cache integrity checks")
+    if integrity is None:
+        st.info("No integrity benchmark yet: run `bench/integrity.py --json`.")
+    else:
+        st.write(f"Ownership check: {integrity['check_share_ownership_pct']}% of the step time measured inside "
+                 f"the check (end-to-end ratio {integrity['overhead_ownership_pct']}%, within timing noise); full "
+                 f"checks (every sealed page checksummed): {integrity['overhead_full_pct']}%, sampled: "
+                 f"{integrity['overhead_full_sampled_pct']}%. Fault campaign: {integrity['faults_detected']} of "
+                 f"{integrity['faults_injected']} faults detected, {integrity['requests_harmed']} requests harmed.")
+
+
+def show_simulate(deployment: Deployment) -> None:
+    base = dashboard.default_workload()
+    columns = st.columns(4)
+    arrival = columns[0].selectbox("Arrivals", [a for a in ARRIVALS if a != "trace"])
+    rate = columns[1].number_input("Rate (requests/s)", min_value=0.01, value=base.rate, step=0.5)
+    users = int(columns[1].number_input("Users (closed loop)", min_value=1, value=64, step=1))
+    requests = int(columns[2].number_input("Requests", min_value=1, max_value=20000, value=base.num_requests))
+    prompt = int(columns[2].number_input("Prompt tokens", min_value=1, value=base.prompt.value, step=128))
+    output = int(columns[3].number_input("Output tokens", min_value=1, value=base.output.value, step=64))
+    slo_ttft = columns[3].number_input("TTFT p99 SLO (s)", min_value=0.0, value=2.0, step=0.5)
+    slo_tpot = columns[3].number_input("TPOT p99 SLO (s)", min_value=0.0, value=0.1, step=0.01)
+    workload = Workload(arrival, requests, rate=rate, users=users if arrival == "closed" else None,
+                        prompt=LengthDistribution("fixed", prompt), output=LengthDistribution("fixed", output))
+    view = dashboard.simulate_view(deployment, workload, slo_ttft or None, slo_tpot or None, [1, 8, 32, 64, 128, 256])
+    report = view["report"]
+    columns = st.columns(4)
+    columns[0].metric("TTFT p99", f"{report['ttft_p99_s']:.3f} s")
+    columns[1].metric("TPOT p99", f"{report['tpot_p99_s']:.4f} s" if report["tpot_p99_s"] is not None else "-")
+    columns[2].metric("Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s")
+    columns[3].metric("Preemptions", report["preemptions"])
+    st.plotly_chart(view["latency"], key="sim-latency")
+    st.plotly_chart(view["kv"], key="sim-kv")
+    st.plotly_chart(view["curve"], key="sim-curve")
+
+
+def show_verify() -> None:
+    reports = dashboard.verification_reports()
+    if not reports:
+        st.info("No verification report yet: run `planner verify --profile ... --out-dir bench/results` "
+                "or `bench/verify_suite.py --json`.")
+        return
+    choice = st.selectbox("Report", [path.name for path in reports])
+    try:
+        result = dashboard.load_verification(next(p for p in reports if p.name == choice))
+    except (PlannerError, ValueError) as error:
+        st.error(f"Cannot open {choice}: {error}")
+        return
+    st.dataframe([{"metric": name, **metric} for name, metric in result["metrics"].items()])
+    from planner.plots import predicted_vs_measured
+
+    st.plotly_chart(predicted_vs_measured(result), key="verify-figure")
+
+
+st.sidebar.title("kvplan")
+page = st.sidebar.radio("Page", PAGES)
+deployment = deployment_inputs() if page != "Verify" else None
+try:
+    if page == "Verify":
+        show_verify()
+    elif deployment is not None:
+        {"Plan": show_plan, "Compare": show_compare, "Simulate": show_simulate}[page](deployment)
+except PlannerError as error:
+    st.error(str(error))

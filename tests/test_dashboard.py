@@ -1,0 +1,85 @@
+"""The Streamlit dashboard through streamlit.testing: every page renders, inputs change the numbers, bad
+uploads give an error message rather than a traceback."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+APP = str(REPO / "app.py")
+
+
+def fresh() -> AppTest:
+    return AppTest.from_file(APP, default_timeout=180).run()
+
+
+def metrics(app: AppTest) -> dict[str, str]:
+    return {metric.label: metric.value for metric in app.metric}
+
+
+def test_plan_page_renders_the_default_deployment():
+    app = fresh()
+    assert not app.exception and not app.error
+    shown = metrics(app)
+    assert shown["Max context"] == "262,144 tokens"            # Kimi K2.6's limit: FP8 KV on 8 H200 holds more
+    assert int(shown["Max concurrency"].replace(",", "")) > 0
+    assert len(app.get("plotly_chart")) == 1
+
+
+def test_a_changed_input_changes_the_numbers():
+    app = fresh()
+    before = metrics(app)
+    app.sidebar.selectbox[3].set_value("bf16").run()              # the KV cache dtype
+    after = metrics(app)
+    assert not app.exception
+    assert int(after["Max concurrency"].replace(",", "")) < int(before["Max concurrency"].replace(",", ""))
+    app.sidebar.number_input[0].set_value(16).run()               # GPUs
+    assert metrics(app)["KV capacity"] != after["KV capacity"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "not JSON"),
+    (json.dumps({"model_type": "gpt2", "n_layer": 12}).encode(), "unsupported architecture 'gpt2'"),
+    (json.dumps({"model_type": "llama"}).encode(), "lacks the key"),
+])
+def test_a_bad_upload_shows_an_error_not_a_traceback(content, message):
+    app = fresh()
+    app.sidebar.file_uploader[0].upload("config.json", content, "application/json").run()
+    assert not app.exception
+    assert any(message in error.value for error in app.error)
+
+
+def test_a_good_upload_is_planned():
+    app = fresh()
+    config = (REPO / "planner" / "data" / "model-configs" / "qwen3-8b.json").read_bytes()
+    app.sidebar.file_uploader[0].upload("config.json", config, "application/json").run()
+    assert not app.exception and not app.error
+    assert "uploaded" in app.subheader[0].value
+
+
+@pytest.mark.parametrize("page", ["Compare", "Simulate", "Verify"])
+def test_every_page_renders(page):
+    app = fresh()
+    app.sidebar.radio[0].set_value(page).run()
+    assert not app.exception and not app.error
+    if page == "Compare":
+        assert len(app.dataframe) == 2 and "FP8 KV" in app.markdown[0].value
+    if page == "Simulate":
+        assert {"TTFT p99", "TPOT p99", "Output throughput", "Preemptions"} <= set(metrics(app))
+        assert len(app.get("plotly_chart")) == 3
+    if page == "Verify":
+        assert app.dataframe or app.info
+
+
+def test_simulate_page_reacts_to_the_load():
+    app = fresh()
+    app.sidebar.radio[0].set_value("Simulate").run()
+    light = metrics(app)["TTFT p99"]
+    app.number_input[0].set_value(40.0).run()                      # 20x the arrival rate
+    assert not app.exception
+    assert float(metrics(app)["TTFT p99"].split()[0]) > float(light.split()[0])
