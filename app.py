@@ -46,7 +46,7 @@ def show_plan(deployment: Deployment) -> None:
     summary, details = view["summary"], view["details"]
     st.subheader(f"{deployment.model} on {deployment.gpus} x {deployment.hardware}")
     columns = st.columns(4)
-    columns[0].metric("Max context", f"{summary['max_context_tokens']:,} tokens")
+    columns[0].metric("Max context (tokens)", f"{summary['max_context_tokens']:,}")
     columns[1].metric("Max concurrency", f"{summary['max_concurrency']:,}", help=f"at {deployment.context} tokens")
     columns[2].metric("Decode", f"{summary['decode_tokens_per_s']:,.0f} tok/s")
     columns[3].metric("Prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s")
@@ -54,7 +54,7 @@ def show_plan(deployment: Deployment) -> None:
     cost = summary["cost_per_million_tokens"]
     columns[0].metric("Cost per 1M output tokens", "-" if cost is None else f"${cost:,.3f}")
     columns[1].metric("Weights per GPU", f"{summary['weights_bytes_per_gpu'] / GIB:.1f} GiB")
-    columns[2].metric("KV capacity", f"{summary['kv_capacity_tokens']:,} tokens")
+    columns[2].metric("KV capacity (tokens)", f"{summary['kv_capacity_tokens']:,}")
     columns[3].metric("KV bytes per token per GPU", f"{summary['kv_bytes_per_token_per_gpu']:,}")
     st.plotly_chart(view["figure"], key="plan-memory")
     st.caption(f"Max context limited by {details['max_context_reason']}; step times from "

@@ -78,7 +78,8 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     params, peaks = StepParameters(**calibration["parameters"]), Peaks(**calibration["peaks"])
     costs = profile_costs(profile["model"])
     llm = LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
-              device="cpu", page_size=fingerprint["page_size"], kv_cache_gib=kv_cache_gib,
+              group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
+              kv_cache_gib=kv_cache_gib,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
               integrity=fingerprint.get("integrity", "ownership"))
     specs = workload.requests()

@@ -26,7 +26,7 @@ def test_plan_page_renders_the_default_deployment():
     app = fresh()
     assert not app.exception and not app.error
     shown = metrics(app)
-    assert shown["Max context"] == "262,144 tokens"            # Kimi K2.6's limit: FP8 KV on 8 H200 holds more
+    assert shown["Max context (tokens)"] == "262,144"            # Kimi K2.6's limit: FP8 KV on 8 H200 holds more
     assert int(shown["Max concurrency"].replace(",", "")) > 0
     assert len(app.get("plotly_chart")) == 1
 
@@ -39,7 +39,7 @@ def test_a_changed_input_changes_the_numbers():
     assert not app.exception
     assert int(after["Max concurrency"].replace(",", "")) < int(before["Max concurrency"].replace(",", ""))
     app.sidebar.number_input[0].set_value(16).run()               # GPUs
-    assert metrics(app)["KV capacity"] != after["KV capacity"]
+    assert metrics(app)["KV capacity (tokens)"] != after["KV capacity (tokens)"]
 
 
 @pytest.mark.parametrize("content, message", [
