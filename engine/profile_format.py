@@ -1,7 +1,9 @@
 """The profile's format, torch-free: the planner reads what the profiler writes through these names."""
 from __future__ import annotations
 
+import re
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from engine.scheduler import SchedulerOutput
@@ -35,7 +37,10 @@ def bytes_moved(model: dict[str, Any], batch: dict[str, int]) -> int:
 
 
 def engine_version() -> str:
+    """The installed kvplan version, or the checkout's pyproject.toml where it runs uninstalled (a lent GPU)."""
     try:
         return metadata.version("kvplan")
     except metadata.PackageNotFoundError:
-        return "unknown"
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.MULTILINE) if pyproject.exists() else None
+        return found.group(1) if found else "unknown"
