@@ -26,9 +26,9 @@ from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, st
 CALIBRATION_VERSION = 1
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
-LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0)
-UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0)
-X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0)
+UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0)
+X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -77,6 +77,7 @@ class Points:
 
     kinds: np.ndarray
     weight_bytes: np.ndarray
+    gemv_weight_bytes: np.ndarray
     dequant_bytes: np.ndarray
     kv_bytes: np.ndarray
     linear_flops: np.ndarray
@@ -89,6 +90,7 @@ class Points:
         terms = [step_terms(costs, BatchShape(**sample["batch"])) for sample in samples]
         return cls(np.array([sample["kind"] for sample in samples]),
                    np.array([t.weight_bytes for t in terms], dtype=float),
+                   np.array([t.gemv_weight_bytes for t in terms], dtype=float),
                    np.array([t.dequant_bytes for t in terms], dtype=float),
                    np.array([t.kv_bytes for t in terms], dtype=float),
                    np.array([t.linear_flops for t in terms], dtype=float),
@@ -102,7 +104,8 @@ class Points:
 
 def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
     """`planner.step_model.combine`, vectorized over points."""
-    memory = (points.weight_bytes / params.bandwidth_efficiency + points.dequant_bytes / params.dequant_efficiency
+    memory = (points.weight_bytes / params.bandwidth_efficiency + points.gemv_weight_bytes / params.gemv_efficiency
+              + points.dequant_bytes / params.dequant_efficiency
               + points.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
     compute = (points.linear_flops / params.compute_efficiency
                + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
@@ -117,6 +120,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
     says nothing about the data: it keeps its default rather than wandering."""
     free = np.ones(len(PARAMETER_NAMES), dtype=bool)
     free[PARAMETER_NAMES.index("dequant_efficiency")] = bool(points.dequant_bytes.any())
+    free[PARAMETER_NAMES.index("gemv_efficiency")] = bool(points.gemv_weight_bytes.any())
     defaults = np.array([getattr(StepParameters(), name) for name in PARAMETER_NAMES])
 
     def full(x: np.ndarray) -> np.ndarray:
@@ -129,7 +133,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
 
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
-        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 5, overlap])[free]
+        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap])[free]
         result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
                                loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
         if best is None or result.cost < best.cost:

@@ -9,7 +9,7 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
     flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs)
            + the output head for each sequence's sampled row
 
-    t_memory  = weight bytes / (bandwidth_efficiency × peak bandwidth)
+    t_memory  = weight bytes / (bandwidth_efficiency × peak bandwidth)    [one-row steps: gemv_efficiency]
               + widened weight bytes / (dequant_efficiency × peak bandwidth)
               + KV bytes / (kv_bandwidth_efficiency × peak bandwidth)
     t_compute = linear flops / (compute_efficiency × peak FLOP/s)
@@ -17,7 +17,8 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
     t_step    = step_overhead + seq_overhead × sequences
                 + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
-Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
+A step of one new token multiplies by vectors, not matrices: BLAS and GPU libraries run other kernels
+for it (GEMV), which stream the weights at their own rate. Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
 converts every element (on a CPU that conversion, not DRAM, sets the pace). Attention FLOPs too: its kernels reach a different share of the peak than the GEMMs do
 (on a CPU the masked softmax of a long prefill is far below it). `overlap` is the share of the shorter of the two that hides under the longer (1 on a GPU that streams
 weights while its tensor cores work; lower on a CPU where the same cores do both). The efficiencies and
@@ -102,6 +103,7 @@ class StepParameters:
     step_overhead_s: float = 2e-3
     seq_overhead_s: float = 2e-5
     bandwidth_efficiency: float = 0.8
+    gemv_efficiency: float = 0.8
     kv_bandwidth_efficiency: float = 0.6
     dequant_efficiency: float = 0.5
     compute_efficiency: float = 0.5
@@ -113,8 +115,8 @@ class StepParameters:
             value = getattr(self, item.name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{item.name} must be a finite number >= 0, got {value!r}")
-        for name in ("bandwidth_efficiency", "kv_bandwidth_efficiency", "dequant_efficiency", "compute_efficiency",
-                     "attention_efficiency"):
+        for name in ("bandwidth_efficiency", "gemv_efficiency", "kv_bandwidth_efficiency", "dequant_efficiency",
+                     "compute_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, name) <= 1.5:
                 raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
         if self.overlap > 1:
@@ -136,6 +138,7 @@ class Peaks:
 @dataclass(frozen=True)
 class StepTerms:
     weight_bytes: float
+    gemv_weight_bytes: float            # the weights of a one-row step
     dequant_bytes: float
     kv_bytes: float
     linear_flops: float
@@ -149,12 +152,16 @@ def step_terms(costs: ModelCosts, batch: BatchShape) -> StepTerms:
     linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
     attention = costs.attention_flops_per_pair * (batch.decode_context_tokens + batch.prefill_pairs)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
-    return StepTerms(costs.weight_bytes_read(batch.new_tokens), costs.dequantized_weight_bytes if widens else 0.0,
-                     kv_read + kv_written, linear, attention, batch.num_seqs)
+    weights = costs.weight_bytes_read(batch.new_tokens)
+    one_row = batch.new_tokens == 1
+    return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
+                     costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
+                     batch.num_seqs)
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
-    memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.dequant_bytes / params.dequant_efficiency
+    memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.gemv_weight_bytes / params.gemv_efficiency
+              + terms.dequant_bytes / params.dequant_efficiency
               + terms.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
     compute = (terms.linear_flops / params.compute_efficiency
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s

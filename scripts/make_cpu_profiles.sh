@@ -6,9 +6,9 @@
 # Every CPU combination computes in fp32. Steps reading more than 16K cached tokens are left out: there a
 # CPU step takes seconds (FP8 and BF16 pages convert every element) and leaves the last-level cache; the
 # calibrations describe the engine where a CPU serves it. A profile whose fit is refused (above 15% in a
-# regime) gets no calibration and is not committed: fp32/fp32 (15.8% decode: one-row steps run BLAS
-# matrix-vector kernels, faster than the model's single weight-streaming rate) and native/fp32 (28.6%
-# prefill: Q4_1 groups of 32 widen at a rate that varies with the step) were refused on 2026-12-01.
+# regime) gets no calibration and is not committed: fp32/fp32 (17.1% prefill: small prefills of 16-128
+# tokens cost more than the fitted rates say) and native/fp32 (29.4% prefill: Q4_1 groups of 32 widen at a
+# rate that varies with the step) were refused on 2026-12-01.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
