@@ -129,6 +129,7 @@ class Capacity:
     cost_per_million_tokens: float
     gpu_hour_usd: float
     parameters_source: str
+    step_seconds: Callable[[BatchShape], float] = field(repr=False, compare=False)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -192,8 +193,9 @@ def evaluate(deployment: Deployment) -> Capacity:
                if chunk else 0.0)
     dollars_per_s = deployment.gpus * hardware.gpu_hour_usd / HOURS
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
-    return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode, 1.0 / single if single else 0.0, prefill,
-                    decode_step, cost, hardware.gpu_hour_usd, source, notes)
+    return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
+                    1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, source,
+                    lambda shape: step_time(costs, peaks, params, shape), notes)
 
 
 def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
@@ -239,13 +241,6 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, Callable[[BatchShape], float], int]:
     """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas."""
     result = evaluate(deployment)
-    model = get_model(deployment.model)
-    hardware = get_hardware(deployment.hardware)
-    params, measured, _ = step_parameters(deployment, hardware)
-    if measured is not None:
-        hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
-    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights))
-    costs = model_costs(model, result.plan)
     plan = result.plan
     if plan.kv_pages_per_replica <= 0:
         raise PlannerError(f"{deployment.model} leaves no room for a KV cache on {deployment.gpus} x "
@@ -254,7 +249,7 @@ def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, Callable[
                              max_num_seqs=deployment.max_num_seqs,
                              max_num_batched_tokens=deployment.max_num_batched_tokens,
                              max_model_len=plan.max_position_embeddings)
-    return config, lambda batch: step_time(costs, peaks, params, batch), plan.parallel.replicas
+    return config, result.step_seconds, plan.parallel.replicas
 
 
 def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
