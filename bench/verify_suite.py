@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from planner.verify import verify
+from planner.verify import TIMING_METRICS, verify
 from planner.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +37,17 @@ SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "tt
                    "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
 
+def summarize_errors(runs: list[dict], metrics_of, names) -> dict[str, dict[str, float]]:
+    """Median and largest absolute error per metric over the runs."""
+    summary = {}
+    for metric in names:
+        errors = [abs(m[metric]["error_pct"]) for m in map(metrics_of, runs) if m[metric]["error_pct"] is not None]
+        if errors:
+            summary[metric] = {"median_abs_error_pct": round(statistics.median(errors), 2),
+                               "max_abs_error_pct": round(max(errors), 2)}
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="substring of the workload names to run")
@@ -52,16 +63,20 @@ def main() -> None:
         runs.append(result)
         errors = {k: m["error_pct"] for k, m in result["metrics"].items()}
         print(f"{name:30s} " + " ".join(f"{k}={v:+.1f}%" if v is not None else f"{k}=-" for k, v in errors.items())
-              + f" replay_same_batches={result['replay']['same_batches']}", file=out)
-    summary = {}
-    for metric in ("kv_capacity_tokens", *SUMMARY_METRICS):
-        errors = [abs(r["metrics"][metric]["error_pct"]) for r in runs if r["metrics"][metric]["error_pct"] is not None]
-        if errors:
-            summary[metric] = {"median_abs_error_pct": round(statistics.median(errors), 2),
-                               "max_abs_error_pct": round(max(errors), 2)}
-    print(f"\n{'metric':22s} {'median |error|':>15s} {'max |error|':>12s}", file=out)
-    for metric, row in summary.items():
-        print(f"{metric:22s} {row['median_abs_error_pct']:14.1f}% {row['max_abs_error_pct']:11.1f}%", file=out)
+              + f" replay_same_batches={result['replay']['same_batches']}"
+              + f" machine_slowdown={result['machine']['slowdown_vs_profile_pct']:+.1f}%", file=out)
+    summary = {"as calibrated": summarize_errors(runs, lambda r: r["metrics"], ("kv_capacity_tokens", *SUMMARY_METRICS)),
+               "drift-corrected": summarize_errors(runs, lambda r: r["machine"]["metrics_drift_corrected"],
+                                                   TIMING_METRICS)}
+    slowdowns = [r["machine"]["slowdown_vs_profile_pct"] for r in runs]
+    print(f"\nthe machine ran the profiles' steps {min(slowdowns):+.1f}%..{max(slowdowns):+.1f}% slower than when "
+          "they were profiled", file=out)
+    print(f"\n{'metric':22s} {'median |error|':>15s} {'max |error|':>12s} {'drift-corrected: median':>24s} {'max':>7s}",
+          file=out)
+    for metric, row in summary["as calibrated"].items():
+        fixed = summary["drift-corrected"].get(metric)
+        tail = f" {fixed['median_abs_error_pct']:23.1f}% {fixed['max_abs_error_pct']:6.1f}%" if fixed else ""
+        print(f"{metric:22s} {row['median_abs_error_pct']:14.1f}% {row['max_abs_error_pct']:11.1f}%" + tail, file=out)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "verify_suite.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
     if args.json:

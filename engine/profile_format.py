@@ -14,18 +14,20 @@ REGIMES = ("prefill", "decode", "mixed")
 
 def batch_shape(output: SchedulerOutput) -> dict[str, int]:
     """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`."""
-    decodes = decode_context = prefills = prefill_tokens = pairs = prefill_context = 0
+    decodes = decode_context = decode_max = prefills = prefill_tokens = pairs = prefill_context = 0
     for item in output.scheduled:       # one pass: the simulator calls this every step
         n, end = item.num_new_tokens, item.end
         if n == 1 and item.start > 0:
             decodes += 1
             decode_context += end
+            decode_max = max(decode_max, end)
         else:
             prefills += 1
             prefill_tokens += n
             pairs += n * end - n * (n - 1) // 2
             prefill_context += end
-    return {"num_decodes": decodes, "decode_context_tokens": decode_context, "num_prefills": prefills,
+    return {"num_decodes": decodes, "decode_context_tokens": decode_context, "decode_max_context": decode_max,
+            "num_prefills": prefills,
             "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import ConfigError
+from engine.kernel_backend import use_triton
 from engine.llm import LLM
 from engine.memory import kv_bytes_per_token
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
@@ -165,6 +166,8 @@ def model_section(llm: LLM) -> dict[str, Any]:
         # a step of more rows than this widens every quantized weight: written, then read by the matmul
         "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
         "dequantized_weight_bytes": 2 * config.num_linear_parameters * head.element_size(),
+        # the pure-torch decode attention reads every decode's pages padded to the batch's longest
+        "decode_padding_page": None if use_triton(head) else llm.config.page_size,
     }
 
 
@@ -216,26 +219,54 @@ class Profiler:
     def _fits(self, tokens: int) -> bool:
         return tokens < self.llm.max_model_len and self.llm.block_manager.can_allocate(tokens + 1)
 
-    def prefill_points(self) -> list[int]:
-        return [n for n in self.plan.prefill_tokens if self._fits(n) and n <= self.llm.config.max_num_batched_tokens]
+    def _prefill_fits(self, tokens: int) -> bool:
+        return self._fits(tokens) and tokens <= self.llm.config.max_num_batched_tokens
 
-    def decode_points(self) -> list[tuple[int, int]]:
+    def _decode_fits(self, batch: int, context: int) -> bool:
         steps = self.plan.warmup + self.plan.repeats + 1
         capacity = self.llm.capacity_tokens
         page = self.llm.config.page_size
-        limit = self.plan.max_kv_tokens or capacity
-        return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts
-                if c + steps < self.llm.max_model_len and b <= self.llm.config.max_num_seqs
-                and b * (-(-(c + steps) // page)) * page <= capacity and b * c <= limit]
+        return (context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
+                and batch * (-(-(context + steps) // page)) * page <= capacity
+                and batch * context <= (self.plan.max_kv_tokens or capacity))
 
-    def mixed_points(self) -> list[tuple[int, int, int]]:
+    def _mixed_fits(self, batch: int, context: int, prefill: int) -> bool:
         capacity = self.llm.capacity_tokens
         page = self.llm.config.page_size
-        limit = self.plan.max_kv_tokens or capacity
-        return [(b, c, p) for b, c, p in self.plan.mixed
-                if c + 2 < self.llm.max_model_len and p < self.llm.max_model_len and b * c + p <= limit
-                and b < self.llm.config.max_num_seqs and b + p <= self.llm.config.max_num_batched_tokens
-                and (b * (-(-(c + 2) // page)) + -(-p // page) + 1) * page <= capacity]
+        return (context + 2 < self.llm.max_model_len and prefill < self.llm.max_model_len
+                and batch * context + prefill <= (self.plan.max_kv_tokens or capacity)
+                and batch < self.llm.config.max_num_seqs and batch + prefill <= self.llm.config.max_num_batched_tokens
+                and (batch * (-(-(context + 2) // page)) + -(-prefill // page) + 1) * page <= capacity)
+
+    def prefill_points(self) -> list[int]:
+        return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
+
+    def decode_points(self) -> list[tuple[int, int]]:
+        return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts if self._decode_fits(b, c)]
+
+    def mixed_points(self) -> list[tuple[int, int, int]]:
+        return [(b, c, p) for b, c, p in self.plan.mixed if self._mixed_fits(b, c, p)]
+
+    @staticmethod
+    def point_of(sample: dict[str, Any]) -> tuple[int, ...]:
+        """A recorded sample's sweep point: (tokens), (batch, context) or (batch, context, prefill)."""
+        batch = sample["batch"]
+        if sample["kind"] == "prefill":
+            return (batch["prefill_tokens"],)
+        context = batch["decode_context_tokens"] // batch["num_decodes"]
+        if sample["kind"] == "decode":
+            return batch["num_decodes"], context
+        return batch["num_decodes"], context, batch["prefill_tokens"]
+
+    def can_remeasure(self, sample: dict[str, Any]) -> bool:
+        """Whether this engine (its pool, its limits) can run a step like a profile's `sample`."""
+        fits = {"prefill": self._prefill_fits, "decode": self._decode_fits, "mixed": self._mixed_fits}
+        return fits[sample["kind"]](*self.point_of(sample))
+
+    def remeasure(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The same sweep point again, now: how fast this machine runs today what it was profiled on."""
+        measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed}
+        return measure[sample["kind"]](*self.point_of(sample))
 
     def profile_prefill(self, tokens: int) -> dict[str, Any]:
         times, output = [], None

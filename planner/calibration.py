@@ -60,6 +60,7 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
         fused_max_tokens=model.get("fused_max_tokens"),
         dequantized_weight_bytes=model.get("dequantized_weight_bytes", 0) if model.get("fused_max_tokens")
         is not None else 0,
+        decode_padding_page=model.get("decode_padding_page"),
     )
 
 

@@ -90,7 +90,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
         (out / "verification.json").write_text(json.dumps(result, indent=1) + "\n")
         predicted_vs_measured(result).write_html(out / "figure.html", include_plotlyjs="cdn")
     if args.json:
-        print(json.dumps({key: result[key] for key in ("metrics", "workload", "fingerprint", "replay")}))
+        print(json.dumps({key: result[key] for key in ("metrics", "workload", "fingerprint", "replay", "machine")}))
     else:
         print(report)
 

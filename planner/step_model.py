@@ -6,6 +6,7 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
     bytes  = weights read once per step (for MoE: only the experts the batch's tokens route to; where a
              quantized weight is widened for a big step, the widened copy written and read too)
            + every sequence's cached KV read by attention + the new tokens' KV written
+             (this engine's CPU decode attention pads each decode to the batch's longest context)
     flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs)
            + the output head for each sequence's sampled row
 
@@ -47,6 +48,9 @@ class ModelCosts:
     local_experts: int | None = None    # experts this GPU holds (part of each, or whole ones under EP); None: all
     fused_max_tokens: int | None = None     # steps of more new tokens widen quantized weights first (None: never)
     dequantized_weight_bytes: float = 0.0   # what widening writes and the matmul then reads again
+    # The engine's pure-torch decode attention (CPU) pads every decode's pages to the batch's longest and
+    # reads them all; paged kernels (Triton on CUDA, vLLM's) read only each sequence's own tokens (None).
+    decode_padding_page: int | None = None
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -70,6 +74,7 @@ class BatchShape:
 
     num_decodes: int = 0
     decode_context_tokens: int = 0      # sum over decodes of the context each one reads (its new token included)
+    decode_max_context: int = 0         # the longest of those contexts
     num_prefills: int = 0
     prefill_tokens: int = 0
     prefill_pairs: int = 0              # sum over prefill chunks of (new token, visible token) pairs
@@ -91,7 +96,7 @@ class BatchShape:
     @classmethod
     def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> BatchShape:
         """From decode context lengths and (new tokens, context end) of each prefill chunk."""
-        return cls(len(decode_contexts), sum(decode_contexts), len(prefill_chunks),
+        return cls(len(decode_contexts), sum(decode_contexts), max(decode_contexts, default=0), len(prefill_chunks),
                    sum(n for n, _ in prefill_chunks), sum(cls.chunk_pairs(n, end) for n, end in prefill_chunks),
                    sum(end for _, end in prefill_chunks))
 
@@ -146,11 +151,21 @@ class StepTerms:
     num_seqs: int
 
 
+def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
+    """Cached tokens the decodes' attention reads: their contexts, or, padded, the longest one each."""
+    page = costs.decode_padding_page
+    if not page:
+        return batch.decode_context_tokens
+    padded = batch.num_decodes * -(-batch.decode_max_context // page) * page
+    return max(batch.decode_context_tokens, padded)     # profiles without the longest context: no padding known
+
+
 def step_terms(costs: ModelCosts, batch: BatchShape) -> StepTerms:
-    kv_read = costs.kv_bytes_per_token * (batch.decode_context_tokens + batch.prefill_context_tokens)
+    decode_read = decode_tokens_read(costs, batch)
+    kv_read = costs.kv_bytes_per_token * (decode_read + batch.prefill_context_tokens)
     kv_written = costs.kv_bytes_per_token * batch.new_tokens
     linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
-    attention = costs.attention_flops_per_pair * (batch.decode_context_tokens + batch.prefill_pairs)
+    attention = costs.attention_flops_per_pair * (decode_read + batch.prefill_pairs)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
     weights = costs.weight_bytes_read(batch.new_tokens)
     one_row = batch.new_tokens == 1

@@ -7,21 +7,31 @@ times of a calibration fitted to the profile. Every metric follows `engine.metri
 
 Two predictions are exact by construction and reported as such: the KV capacity (both sides use
 `engine.memory`), and, with the engine's own step durations replayed, the preemption count and the
-sequence of batches. The timing metrics carry the step-time model's error.
+sequence of batches. The timing metrics carry the step-time model's error, and the machine's: a shared
+VM runs the same step up to ~30% slower or faster from one minute to the next. So a few of the profile's
+own steps are timed again just before and after the run, and the errors are also reported with the
+predicted step times scaled by that drift: what is left is the model's error.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from engine.memory import GIB, KVLayout, kv_pages_for_budget
 from engine.metrics import summarize
+from engine.profile_format import REGIMES
 from planner.calibration import calibrate, check_fingerprint, load_profile, profile_costs
 from planner.errors import PlannerError
 from planner.models import get_model
 from planner.simulator import Simulation, model_step_time, replayed_step_time
 from planner.step_model import Peaks, StepParameters, step_time
 from planner.workload import Workload
+
+if TYPE_CHECKING:
+    from engine.profiler import Profiler
+    from engine.scheduler import SchedulerOutput
 
 TIMING_METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
@@ -66,6 +76,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
            max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
     from engine.llm import LLM
     from engine.profile_format import engine_version
+    from engine.profiler import Profiler, SweepPlan
     from engine.serving import ServeRequest, serve
 
     profile = load_profile(profile_path)
@@ -87,15 +98,28 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
     prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs])
     requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
+    probe = Profiler(llm, SweepPlan(warmup=1, repeats=2))
+    probes = probe_samples(profile, probe)
+    before = [probe.remeasure(sample)["median_s"] / sample["median_s"] for sample in probes]
     served = serve(llm, requests, clock="wall")
+    after = [probe.remeasure(sample)["median_s"] / sample["median_s"] for sample in probes]
+    speed = float(np.median(before + after)) if probes else 1.0
 
     config = llm.scheduler_config
-    simulated = Simulation(config, model_step_time(lambda batch: step_time(costs, peaks, params, batch)),
-                           record_steps=True).run(list(specs))
-    replayed = Simulation(config, replayed_step_time([s.duration_s for s in served.steps]),
-                          record_steps=True).run(list(specs))
+    model = model_step_time(lambda batch: step_time(costs, peaks, params, batch))
+    simulated = Simulation(config, model, record_steps=True).run(list(specs))
+    replay_step = replayed_step_time([s.duration_s for s in served.steps])
+    modelled: list[tuple[str, float]] = []
+
+    def replay_and_model(output: SchedulerOutput) -> float:
+        modelled.append((regime(output), model(output)))
+        return replay_step(output)
+
+    replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
     measured = summarize(served.timings)
     predicted = simulated.report()
+    corrected = Simulation(config, model_step_time(lambda batch: speed * step_time(costs, peaks, params, batch))
+                           ).run(list(specs)).report()
     metrics = {
         "kv_capacity_tokens": _metric(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
                                       llm.capacity_tokens),
@@ -105,12 +129,54 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     }
     replay = {"preemptions": _metric(replayed.preemptions, served.preemptions),
               "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
-              "steps": len(served.steps)}
-    return {"metrics": metrics, "replay": replay, "workload": _workload_dict(workload),
+              "steps": len(served.steps),
+              "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps])}
+    machine = {"slowdown_vs_profile_pct": round(100 * (speed - 1), 3),
+               "before_pct": _pct(before), "after_pct": _pct(after),
+               "probes": [f"{s['kind']} {Profiler.point_of(s)}" for s in probes],
+               "metrics_drift_corrected": {name: _metric(corrected[name], measured[name]) for name in TIMING_METRICS}}
+    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),
             "fingerprint": fingerprint, "calibration": {k: v for k, v in calibration.items()
                                                         if k.startswith(("mape", "holdout")) or k == "parameters"},
             "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
                        "max_num_batched_tokens": max_num_batched_tokens, "capacity_tokens": llm.capacity_tokens}}
+
+
+def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str, Any]]:
+    """Per regime, the profile's step of median time among those this engine can run again."""
+    chosen = []
+    for kind in REGIMES:
+        runnable = sorted((s for s in profile["samples"] if s["kind"] == kind and profiler.can_remeasure(s)),
+                          key=lambda s: s["median_s"])
+        if runnable:
+            chosen.append(runnable[(len(runnable) - 1) // 2])
+    return chosen
+
+
+def _pct(ratios: list[float]) -> float | None:
+    return round(float(100 * (np.median(ratios) - 1)), 3) if ratios else None
+
+
+def regime(output: SchedulerOutput) -> str:
+    """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
+    decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1 and item.start > 0)
+    if decodes == len(output.scheduled):
+        return "decode"
+    return "prefill" if decodes == 0 else "mixed"
+
+
+def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) -> dict[str, dict[str, float]]:
+    """The step model on the very steps the engine ran (same batches, replayed): per regime the median
+    error of one step and the error of their summed time, which is what throughput sees. This separates
+    the model's error from what queueing makes of it."""
+    out = {}
+    for name in ("prefill", "decode", "mixed", "all"):
+        pairs = [(p, m) for (kind, p), m in zip(modelled, measured) if name in (kind, "all") and m > 0]
+        if pairs:
+            predicted, actual = np.array(pairs).T
+            out[name] = {"steps": len(pairs), "median_error_pct": round(float(100 * np.median(predicted / actual - 1)), 3),
+                         "total_error_pct": round(float(100 * (predicted.sum() / actual.sum() - 1)), 3)}
+    return out
 
 
 def _workload_dict(workload: Workload) -> dict[str, Any]:
@@ -133,7 +199,23 @@ def markdown_report(result: dict[str, Any]) -> str:
         f"Replaying the engine's {replay['steps']} measured step times, the simulator formed "
         f"{'the same' if replay['same_batches'] else 'DIFFERENT'} batches; preemptions predicted "
         f"{replay['preemptions']['predicted']}, measured {replay['preemptions']['measured']}.",
+        "", "The step model on those same steps (what its error is before queueing compounds it):", "",
+        "| steps | count | median step error | summed time error |", "| --- | ---: | ---: | ---: |",
+        *(f"| {name} | {e['steps']} | {e['median_error_pct']:+.1f}% | {e['total_error_pct']:+.1f}% |"
+          for name, e in replay["step_model"].items()),
+        "", _drift_section(result["machine"]),
         "", f"Calibration fit: {result['calibration']}", ""])
+
+
+def _drift_section(machine: dict[str, Any]) -> str:
+    rows = [f"The profile's steps ({', '.join(machine['probes'])}) ran {machine['before_pct']:+.1f}% slower just "
+            f"before the run and {machine['after_pct']:+.1f}% after than when profiled. With the predicted step "
+            f"times scaled by {machine['slowdown_vs_profile_pct']:+.1f}%:", "",
+            "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
+    for name, metric in machine["metrics_drift_corrected"].items():
+        error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"
+        rows.append(f"| {name} | {_fmt(metric['predicted'])} | {_fmt(metric['measured'])} | {error} |")
+    return "\n".join(rows)
 
 
 def _fmt(value: float | None) -> str:

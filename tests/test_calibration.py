@@ -134,3 +134,20 @@ def test_calibration_carries_fingerprint_and_samples_hash():
     assert first["fingerprint"] == FINGERPRINT and first["samples_sha256"] == second["samples_sha256"]
     profile["samples"][0]["median_s"] *= 1.01
     assert calibrate(profile)["samples_sha256"] != first["samples_sha256"]
+
+
+def test_padded_decode_attention_costs_the_longest_context_for_every_decode():
+    """The engine's CPU decode attention pads each decode's pages to the batch's longest; paged kernels do not."""
+    from dataclasses import replace
+
+    from planner.step_model import decode_tokens_read
+
+    paged = profile_costs(SMOLLM_MODEL)
+    padded = replace(paged, decode_padding_page=16)
+    ragged, uniform = BatchShape.of([10, 100, 40], []), BatchShape.of([50, 50, 50], [])
+    assert decode_tokens_read(paged, ragged) == 150
+    assert decode_tokens_read(padded, ragged) == 3 * 112            # 100 tokens fill 7 pages of 16
+    assert decode_tokens_read(padded, replace(ragged, decode_max_context=0)) == 150   # older profiles' samples
+    peaks, params = profile_peaks(FINGERPRINT), StepParameters()
+    assert step_time(paged, peaks, params, ragged) == pytest.approx(step_time(paged, peaks, params, uniform))
+    assert step_time(padded, peaks, params, ragged) > step_time(padded, peaks, params, uniform)

@@ -1,6 +1,6 @@
 """One small verification on this machine: SmolLM2 on CPU, 30 requests, engine against simulator.
 
-The profile is made first, here and now (a short sweep, about a minute): this VM's speed drifts by up to
+The profile is made first, here and now (a short sweep, about 80 s): this VM's speed drifts by up to
 ~20% over an hour, so a profile from another hour would mostly measure the drift. The committed profiles
 are verified by `bench/verify_suite.py`."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from conftest import REPO, run_cli
 def test_small_verification_against_the_engine(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     made = run_cli("profile", "--model", "smollm2-135m", "--device", "cpu", "--kv-dtype", "bf16", "--memory-gib", "1",
-                   "--prefill-tokens", "16", "64", "128", "256", "--batches", "1", "2", "4", "6", "8", "12", "16",
+                   "--prefill-tokens", "16", "64", "128", "256", "512", "1024",
+                   "--batches", "1", "2", "4", "8", "12", "16", "24", "32",       # the workload peaks at ~30
                    "--contexts", "64", "128", "256", "512", "--repeats", "2", "--out", str(profile), "--json")
     assert made.returncode == 0, made.stderr
     args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "4", "--requests", "30",
@@ -28,13 +29,19 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     metrics = payload["metrics"]
     with capsys.disabled():
         print("\nverification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items()))
+        print("step model on the engine's steps: " + json.dumps(payload["replay"]["step_model"]))
+        machine = payload["machine"]
+        print(f"machine vs profile: {machine['slowdown_vs_profile_pct']}% slower; drift-corrected errors: "
+              + ", ".join(f"{k} {m['error_pct']}%" for k, m in machine["metrics_drift_corrected"].items()))
     assert metrics["kv_capacity_tokens"]["error_pct"] == 0 and metrics["kv_capacity_tokens"]["measured"] > 0
     assert payload["replay"]["same_batches"]
     assert payload["replay"]["preemptions"]["predicted"] == payload["replay"]["preemptions"]["measured"]
-    # Issue 8 asks for 15%; on this VM four CI runs gave +4%..+19% (its speed drifts within minutes), so
-    # the gate here is 25% until the step model or the machine is steadier. The figure is printed above.
-    assert abs(metrics["output_tokens_per_s"]["error_pct"]) < 25
-    assert abs(metrics["tpot_p50_s"]["error_pct"]) < 25
-    assert {"workload", "fingerprint"} <= set(payload)
+    # Issue 8's 15%, on the predictions scaled by the machine's measured drift since the profile (this VM
+    # runs the same step up to ~30% slower or faster minute to minute); the raw figures are printed above.
+    corrected = machine["metrics_drift_corrected"]
+    assert abs(corrected["output_tokens_per_s"]["error_pct"]) < 15
+    assert abs(corrected["tpot_p50_s"]["error_pct"]) < 15
+    assert abs(machine["slowdown_vs_profile_pct"]) < 50 and len(machine["probes"]) == 3
+    assert {"workload", "fingerprint", "machine"} <= set(payload)
     assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
     assert "plotly" in (tmp_path / "figure.html").read_text()

@@ -1,0 +1,46 @@
+"""The profiler on the real engine: what a profile records, and re-timing its own points later."""
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.profile_format import PROFILE_VERSION, REGIMES
+from engine.profiler import Profiler, SweepPlan
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> LLM:
+    return LLM(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu", num_pages=40, page_size=16,
+               max_num_seqs=8, max_num_batched_tokens=256, integrity="off")
+
+
+@pytest.fixture(scope="module")
+def profile(small_engine) -> dict:
+    plan = SweepPlan(prefill_tokens=(16, 48, 4096), decode_batches=(1, 3), decode_contexts=(40, 9000),
+                     mixed=((2, 40, 24), (64, 40, 24)), warmup=0, repeats=1)
+    return Profiler(small_engine, plan).run()
+
+
+def test_a_profile_records_its_points_and_how_attention_reads(profile, small_engine):
+    assert profile["version"] == PROFILE_VERSION
+    kinds = [s["kind"] for s in profile["samples"]]
+    # the 4096-token prefill, the 9000-token contexts and 64 decodes do not fit this engine: left out
+    assert kinds == ["prefill", "prefill", "decode", "decode", "mixed"]
+    assert set(kinds) == set(REGIMES)
+    decodes = [s["batch"] for s in profile["samples"] if s["kind"] == "decode"]
+    assert [(b["num_decodes"], b["decode_context_tokens"], b["decode_max_context"]) for b in decodes] == \
+        [(1, 40, 40), (3, 120, 40)]
+    assert profile["model"]["decode_padding_page"] == small_engine.config.page_size     # torch decode on a CPU
+    assert all(s["median_s"] > 0 and s["achieved_gb_s"] > 0 for s in profile["samples"])
+
+
+def test_the_profile_points_can_be_timed_again(profile, small_engine):
+    """`planner verify` re-times a few profile points to see how the machine's speed drifted."""
+    profiler = Profiler(small_engine, SweepPlan(warmup=0, repeats=1))
+    for sample in profile["samples"]:
+        assert profiler.can_remeasure(sample)
+        again = profiler.remeasure(sample)
+        assert again["kind"] == sample["kind"] and again["batch"] == sample["batch"] and again["median_s"] > 0
+    assert small_engine.block_manager.num_used_pages == 0 and not small_engine.has_unfinished()
+    too_big = {"kind": "decode", "batch": {"num_decodes": 8, "decode_context_tokens": 8 * 200}}
+    assert not profiler.can_remeasure(too_big)      # 8 x 200 tokens > 40 pages of 16
