@@ -120,11 +120,18 @@ def show_verify() -> None:
         return
     choice = st.selectbox("Report", [path.name for path in reports])
     try:
-        result = dashboard.load_verification(next(p for p in reports if p.name == choice))
+        runs = dashboard.load_verification(next(p for p in reports if p.name == choice))
     except (PlannerError, ValueError) as error:
         st.error(f"Cannot open {choice}: {error}")
         return
-    st.dataframe([{"metric": name, **metric} for name, metric in result["metrics"].items()])
+    names = [run.get("name") or f"run {i + 1}" for i, run in enumerate(runs)]
+    result = runs[names.index(st.selectbox("Workload", names))] if len(runs) > 1 else runs[0]
+    tables = dashboard.verification_tables(result)
+    st.dataframe(tables["metrics"])
+    if tables["slowdown_pct"] is not None:
+        st.markdown(f"The machine ran the profile's own steps {tables['slowdown_pct']:+.1f}% slower than when "
+                    "they were profiled. Errors with the predicted step times scaled by that:")
+        st.dataframe(tables["drift_corrected"])
     from planner.plots import predicted_vs_measured
 
     st.plotly_chart(predicted_vs_measured(result), key="verify-figure")

@@ -1,14 +1,21 @@
 """Verification suite: several workloads through the engine here and through the simulator calibrated
-from the committed CPU profiles; per-metric errors and a summary (median and largest absolute error).
+from a CPU profile; per-metric errors and a summary (median and largest absolute error).
+
+By default each workload's weights/KV combination is profiled again just before it runs (a short sweep,
+1-3 minutes, covering the batches and contexts these workloads reach): this shared VM's speed drifts by
+up to 1.7x over hours, and differently for different shapes, so a profile from another hour mostly
+measures the drift. `--profiles committed` verifies the committed profiles as they are.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
+from engine.profiler import SweepPlan
 from planner.verify import TIMING_METRICS, verify
 from planner.workload import LengthDistribution, Workload
 
@@ -33,6 +40,8 @@ SUITE = [
     ("memory-starved (preemptions)", "fp32-kvbf16",
      Workload("poisson", 30, rate=6.0, prompt=L("uniform", low=128, high=512), output=L("fixed", 64), seed=5), 0.05),
 ]
+FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 64, 128, 256, 512, 1024), decode_batches=(1, 2, 4, 8, 12, 16, 24, 32, 48),
+                        decode_contexts=(64, 128, 256, 512, 1024), warmup=1, repeats=2, max_kv_tokens=16384)
 SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",
                    "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
@@ -48,9 +57,25 @@ def summarize_errors(runs: list[dict], metrics_of, names) -> dict[str, dict[str,
     return summary
 
 
+def fresh_profile(committed: Path, out: Path) -> Path:
+    """The committed profile's engine configuration, profiled again now."""
+    from engine.llm import LLM
+    from engine.profiler import Profiler
+
+    fingerprint = json.loads(committed.read_text())["fingerprint"]
+    llm = LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
+              group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
+              kv_cache_gib=1.0, max_num_batched_tokens=2048, integrity=fingerprint["integrity"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(Profiler(llm, FRESH_SWEEP).run(), indent=1) + "\n")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="substring of the workload names to run")
+    parser.add_argument("--profiles", choices=("fresh", "committed"), default="fresh",
+                        help="profile each combination again just before its workload (default), or use the committed")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
@@ -58,8 +83,13 @@ def main() -> None:
     for name, profile, workload, gib in SUITE:
         if args.only and args.only not in name:
             continue
-        result = verify(str(PROFILES / f"cpu-smollm2-135m-{profile}.profile.json"), workload, kv_cache_gib=gib)
+        path = PROFILES / f"cpu-smollm2-135m-{profile}.profile.json"
+        if args.profiles == "fresh":
+            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+            path = fresh_profile(path, RESULTS / "verify_suite_profiles" / f"{slug}.profile.json")
+        result = verify(str(path), workload, kv_cache_gib=gib)
         result["name"] = name
+        result["profile"] = str(path.relative_to(REPO))
         runs.append(result)
         errors = {k: m["error_pct"] for k, m in result["metrics"].items()}
         print(f"{name:30s} " + " ".join(f"{k}={v:+.1f}%" if v is not None else f"{k}=-" for k, v in errors.items())
@@ -78,7 +108,8 @@ def main() -> None:
         tail = f" {fixed['median_abs_error_pct']:23.1f}% {fixed['max_abs_error_pct']:6.1f}%" if fixed else ""
         print(f"{metric:22s} {row['median_abs_error_pct']:14.1f}% {row['max_abs_error_pct']:11.1f}%" + tail, file=out)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "verify_suite.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+    (RESULTS / "verify_suite.json").write_text(json.dumps({"profiles": args.profiles, "summary": summary,
+                                                           "runs": runs}, indent=1) + "\n")
     if args.json:
         print(json.dumps({"summary": summary, "workloads": [r["name"] for r in runs]}))
 

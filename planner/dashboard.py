@@ -84,14 +84,22 @@ def verification_reports() -> list[Path]:
     return sorted(RESULTS.glob("verify*.json"))
 
 
-def load_verification(path: str | Path) -> dict[str, Any]:
+def load_verification(path: str | Path) -> list[dict[str, Any]]:
+    """The runs of a report: one for `planner verify`, one per workload for the suite."""
     data = json.loads(Path(path).read_text())
-    runs = data.get("runs") if isinstance(data, dict) else None
-    if runs:                              # a suite: show its first run
-        data = runs[0]
-    if not isinstance(data, dict) or "metrics" not in data:
+    runs = data.get("runs", [data]) if isinstance(data, dict) else None
+    if not runs or not all(isinstance(run, dict) and "metrics" in run for run in runs):
         raise PlannerError(f"{Path(path).name} is not a verification report")
-    return data
+    return runs
+
+
+def verification_tables(run: dict[str, Any]) -> dict[str, Any]:
+    """Rows as calibrated and, where the run measured the machine's drift, with it taken out."""
+    machine = run.get("machine")
+    return {"metrics": [{"metric": name, **metric} for name, metric in run["metrics"].items()],
+            "slowdown_pct": machine["slowdown_vs_profile_pct"] if machine else None,
+            "drift_corrected": [{"metric": name, **metric}
+                                for name, metric in machine["metrics_drift_corrected"].items()] if machine else []}
 
 
 def default_workload() -> Workload:

@@ -74,6 +74,8 @@ def test_every_page_renders(page):
         assert len(app.get("plotly_chart")) == 3
     if page == "Verify":
         assert app.dataframe or app.info
+        if app.dataframe:
+            assert list(app.dataframe[0].value["metric"])[0] == "kv_capacity_tokens"
 
 
 def test_simulate_page_reacts_to_the_load():
