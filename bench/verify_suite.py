@@ -108,7 +108,8 @@ def main() -> None:
         tail = f" {fixed['median_abs_error_pct']:23.1f}% {fixed['max_abs_error_pct']:6.1f}%" if fixed else ""
         print(f"{metric:22s} {row['median_abs_error_pct']:14.1f}% {row['max_abs_error_pct']:11.1f}%" + tail, file=out)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "verify_suite.json").write_text(json.dumps({"profiles": args.profiles, "summary": summary,
+    # a partial run (--only) does not overwrite the whole suite's record
+    (RESULTS / ("verify_suite_partial.json" if args.only else "verify_suite.json")).write_text(json.dumps({"profiles": args.profiles, "summary": summary,
                                                            "runs": runs}, indent=1) + "\n")
     if args.json:
         print(json.dumps({"summary": summary, "workloads": [r["name"] for r in runs]}))

@@ -32,6 +32,9 @@ def test_a_profile_records_its_points_and_how_attention_reads(profile, small_eng
         [(1, 40, 40), (3, 120, 40)]
     assert profile["model"]["decode_padding_page"] == small_engine.config.page_size     # torch decode on a CPU
     assert all(s["median_s"] > 0 and s["achieved_gb_s"] > 0 for s in profile["samples"])
+    # seeded decodes read real K/V (a prefill's, tiled over the pool), not never-written zeros
+    for pool in (small_engine.kv_cache.keys, small_engine.kv_cache.values):
+        assert bool((pool.float().flatten(2).abs().amax(-1) > 0).all())
 
 
 def test_the_profile_points_can_be_timed_again(profile, small_engine):
