@@ -8,7 +8,9 @@
 # calibrations describe the engine where a CPU serves it. A profile whose fit is refused (above 15% in a
 # regime) gets no calibration and is not committed: fp32/fp32 (17.1% prefill: small prefills of 16-128
 # tokens cost more than the fitted rates say) and native/fp32 (29.4% prefill: Q4_1 groups of 32 widen at a
-# rate that varies with the step) were refused on 2026-12-01.
+# rate that varies with the step) were refused on 2026-12-01. With seeded decodes reading real K/V (same
+# day, later) fp32/fp8 was remade; int4/fp8 (24.1% mixed) and native/fp8 (18.9% prefill) refits were refused
+# twice, so their committed profiles are still the earlier ones, whose decode points read zero pages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
