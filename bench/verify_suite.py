@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from engine.profiler import SweepPlan
-from planner.verify import TIMING_METRICS, verify
+from planner.verify import TIMING_METRICS, engine_of, verify
 from planner.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,13 +59,9 @@ def summarize_errors(runs: list[dict], metrics_of, names) -> dict[str, dict[str,
 
 def fresh_profile(committed: Path, out: Path) -> Path:
     """The committed profile's engine configuration, profiled again now."""
-    from engine.llm import LLM
     from engine.profiler import Profiler
 
-    fingerprint = json.loads(committed.read_text())["fingerprint"]
-    llm = LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
-              group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
-              kv_cache_gib=1.0, max_num_batched_tokens=2048, integrity=fingerprint["integrity"])
+    llm = engine_of(json.loads(committed.read_text())["fingerprint"], 1.0, max_num_batched_tokens=2048)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(Profiler(llm, FRESH_SWEEP).run(), indent=1) + "\n")
     return out

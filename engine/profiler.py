@@ -1,9 +1,10 @@
 """Profiles the real engine: step times of prefill, decode and mixed batches, and its memory.
 
 Every sample is a real `LLM.step()` of the configured engine. Decode points need B sequences with C
-tokens already cached; prefilling them for real would take hours on a CPU, and attention's cost does not
-depend on the cached values, so the profiler reserves their pages and marks their tokens computed (the
-pages keep whatever bytes they hold) and then times real decode steps over them.
+tokens already cached; prefilling them for real would take hours on a CPU, so the profiler reserves their
+pages and marks their tokens computed, then times real decode steps over them. What those pages hold
+does matter (FP8 pages convert zeros faster than real K/V), so before the first decode point the whole
+pool is filled with one real prefill's K/V.
 
 The profile is a versioned JSON document:
 
@@ -32,7 +33,7 @@ import torch
 from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.llm import LLM
-from engine.memory import kv_bytes_per_token
+from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
@@ -200,7 +201,7 @@ class Profiler:
         written = torch.tensor(self.llm.block_manager.block_table(seq_id)[:tokens // page], device=cache.keys.device)
         tile_pages = max(len(written), min(cache.num_pages, (256 << 20) // cache.keys[:, 0].nbytes))  # <= 256 MiB
         for pool in (cache.keys, cache.values):
-            tile = pool[:, written].repeat(1, -(-tile_pages // len(written)), 1, 1, 1)
+            tile = pool[:, written].repeat(1, ceil_div(tile_pages, len(written)), 1, 1, 1)
             for start in range(0, cache.num_pages, tile.shape[1]):
                 count = min(tile.shape[1], cache.num_pages - start)
                 pool[:, start:start + count] = tile[:, :count]
@@ -252,7 +253,7 @@ class Profiler:
         capacity = self.llm.capacity_tokens
         page = self.llm.config.page_size
         return (context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
-                and batch * (-(-(context + steps) // page)) * page <= capacity
+                and batch * pages_for_tokens(context + steps, page) * page <= capacity
                 and batch * context <= (self.plan.max_kv_tokens or capacity))
 
     def _mixed_fits(self, batch: int, context: int, prefill: int) -> bool:
@@ -261,7 +262,8 @@ class Profiler:
         return (context + 2 < self.llm.max_model_len and prefill < self.llm.max_model_len
                 and batch * context + prefill <= (self.plan.max_kv_tokens or capacity)
                 and batch < self.llm.config.max_num_seqs and batch + prefill <= self.llm.config.max_num_batched_tokens
-                and (batch * (-(-(context + 2) // page)) + -(-prefill // page) + 1) * page <= capacity)
+                and (batch * pages_for_tokens(context + 2, page) + pages_for_tokens(prefill, page) + 1) * page
+                <= capacity)
 
     def prefill_points(self) -> list[int]:
         return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
@@ -293,15 +295,22 @@ class Profiler:
         measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed}
         return measure[sample["kind"]](*self.point_of(sample))
 
-    def profile_prefill(self, tokens: int) -> dict[str, Any]:
+    def _time_from_scratch(self, kind: str, set_up: Callable[[], None]) -> dict[str, Any]:
+        """Each repetition sets its batch up anew, times one step of it and clears the engine."""
         times, output = [], None
         for index in range(self.plan.warmup + self.plan.repeats):
-            self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+            set_up()
             elapsed, output = self._timed_step()
             if index >= self.plan.warmup:
                 times.append(elapsed)
             self._clear()
-        return self._record("prefill", times, output)
+        return self._record(kind, times, output)
+
+    def _add_prefill(self, tokens: int) -> None:
+        self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def profile_prefill(self, tokens: int) -> dict[str, Any]:
+        return self._time_from_scratch("prefill", lambda: self._add_prefill(tokens))
 
     def profile_decode(self, batch: int, context: int) -> dict[str, Any]:
         self._seed_decodes(batch, context, self.plan.warmup + self.plan.repeats + 1)
@@ -315,19 +324,14 @@ class Profiler:
         return self._record("decode", times, output)
 
     def profile_mixed(self, batch: int, context: int, prefill: int) -> dict[str, Any]:
-        times, output = [], None
-        for index in range(self.plan.warmup + self.plan.repeats):
+        def set_up() -> None:
             self._seed_decodes(batch, context, 2)
-            self.llm.add_request(self._tokens(prefill), SamplingParams(max_tokens=1, ignore_eos=True))
-            elapsed, output = self._timed_step()
-            if index >= self.plan.warmup:
-                times.append(elapsed)
-            self._clear()
-        return self._record("mixed", times, output)
+            self._add_prefill(prefill)
+        return self._time_from_scratch("mixed", set_up)
 
     def measure_activation_peak(self, tokens: int) -> int | None:
         """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
-        self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+        self._add_prefill(tokens)
         if self.llm.device.type == "cuda":
             torch.cuda.synchronize(self.llm.device)
             before = torch.cuda.memory_allocated(self.llm.device)

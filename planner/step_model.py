@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from engine.memory import ceil_div
+
 
 @dataclass(frozen=True)
 class ModelCosts:
@@ -156,7 +158,7 @@ def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
     page = costs.decode_padding_page
     if not page:
         return batch.decode_context_tokens
-    padded = batch.num_decodes * -(-batch.decode_max_context // page) * page
+    padded = batch.num_decodes * ceil_div(batch.decode_max_context, page) * page
     return max(batch.decode_context_tokens, padded)     # profiles without the longest context: no padding known
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.memory import GIB, KVLayout, kv_pages_for_budget
 from engine.metrics import summarize
-from engine.profile_format import REGIMES
+from engine.profile_format import REGIMES, batch_shape
 from planner.calibration import calibrate, check_fingerprint, load_profile, profile_costs
 from planner.errors import PlannerError
 from planner.models import get_model
@@ -30,6 +30,7 @@ from planner.step_model import Peaks, StepParameters, step_time
 from planner.workload import Workload
 
 if TYPE_CHECKING:
+    from engine.llm import LLM
     from engine.profiler import Profiler
     from engine.scheduler import SchedulerOutput
 
@@ -72,9 +73,17 @@ def english_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
+def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **limits: int) -> LLM:
+    """An engine here configured as the profiled one (model, weights, KV dtype, pages, integrity)."""
+    from engine.llm import LLM
+
+    return LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
+               group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
+               kv_cache_gib=kv_cache_gib, integrity=fingerprint.get("integrity", "ownership"), **limits)
+
+
 def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, max_num_seqs: int = 256,
            max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
-    from engine.llm import LLM
     from engine.profile_format import engine_version
     from engine.profiler import Profiler, SweepPlan
     from engine.serving import ServeRequest, serve
@@ -88,11 +97,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     calibration = calibrate(profile, max_mape)
     params, peaks = StepParameters(**calibration["parameters"]), Peaks(**calibration["peaks"])
     costs = profile_costs(profile["model"])
-    llm = LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
-              group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
-              kv_cache_gib=kv_cache_gib,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-              integrity=fingerprint.get("integrity", "ownership"))
+    llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     specs = workload.requests()
     if any(spec.arrival_s is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
@@ -168,10 +173,10 @@ def _pct(ratios: list[float]) -> float | None:
 
 def regime(output: SchedulerOutput) -> str:
     """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
-    decodes = sum(1 for item in output.scheduled if item.num_new_tokens == 1 and item.start > 0)
-    if decodes == len(output.scheduled):
+    shape = batch_shape(output)
+    if not shape["num_prefills"]:
         return "decode"
-    return "prefill" if decodes == 0 else "mixed"
+    return "prefill" if not shape["num_decodes"] else "mixed"
 
 
 def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) -> dict[str, dict[str, float]]:
