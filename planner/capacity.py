@@ -29,6 +29,7 @@ from planner.workload import Workload
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 HOURS = 3600.0
+MAX_GPUS_SEARCHED = 1024
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,30 @@ class Capacity:
     parameters_source: str
     step_seconds: Callable[[BatchShape], float] = field(repr=False, compare=False)
     notes: list[str] = field(default_factory=list)
+    minimum_gpus: int | None = None     # where it does not fit: the fewest GPUs of this kind that serve one request
+
+    @property
+    def fits(self) -> bool:
+        """Whether the deployment serves at least one request of its context."""
+        return self.concurrency > 0
+
+    @property
+    def note(self) -> str | None:
+        """`all_notes` in one line; None when there is nothing to say."""
+        return "; ".join(self.all_notes) or None
+
+    @property
+    def all_notes(self) -> list[str]:
+        """Why it does not fit and how many GPUs would, else what limits it."""
+        notes = self.plan.notes + self.notes
+        if not self.fits:
+            if not self.plan.notes:
+                notes = [f"one request of {self.deployment.context} tokens needs more KV than the "
+                         f"{self.plan.replica_capacity_tokens} tokens one replica holds"] + notes
+            notes.append(f"{self.deployment.model} needs at least {self.minimum_gpus} x {self.deployment.hardware} "
+                         f"for this layout and context" if self.minimum_gpus else
+                         f"no count of {self.deployment.hardware} up to {MAX_GPUS_SEARCHED} serves it in this layout")
+        return notes
 
     def summary(self) -> dict:
         """The `planner plan --json` object (../shared/DESIGN.md)."""
@@ -144,6 +169,9 @@ class Capacity:
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
             "cost_per_million_tokens": None if self.cost_per_million_tokens == float("inf")
             else round(self.cost_per_million_tokens, 4),
+            "single_stream_decode_tokens_per_s": round(self.single_stream_tokens_per_s, 3),
+            "fits": self.fits,
+            "note": self.note,
         }
 
     def details(self) -> dict:
@@ -152,14 +180,14 @@ class Capacity:
             "max_context_reason": self.plan.max_context_reason,
             "memory_breakdown_per_gpu": self.plan.breakdown(),
             "weights_by_component_per_gpu": self.plan.weights_by_component,
-            "single_stream_tokens_per_s": round(self.single_stream_tokens_per_s, 3),
             "decode_step_s": self.decode_step_s,
             "gpu_hour_usd": self.gpu_hour_usd,
             "replicas": self.plan.parallel.replicas,
             "decode_batch_per_replica": self.decode_batch,
             "parameters_source": self.parameters_source,
             "deployment": asdict(self.deployment),
-            "notes": self.notes + self.plan.notes,
+            "notes": self.all_notes,
+            "minimum_gpus": self.minimum_gpus,
         }
 
 
@@ -195,7 +223,23 @@ def evaluate(deployment: Deployment) -> Capacity:
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
     return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
                     1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, source,
-                    lambda shape: step_time(costs, peaks, params, shape), notes)
+                    lambda shape: step_time(costs, peaks, params, shape), notes,
+                    None if per_replica else minimum_gpus(deployment, model, hardware))
+
+
+def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> int | None:
+    """The fewest GPUs of the deployment's kind, in its layout (its TP group size, if it sets one; expert and
+    attention parallelism as it has them), whose memory holds the weights and one request of its context."""
+    step = deployment.tensor_parallel or 1
+    for gpus in range(step, MAX_GPUS_SEARCHED + 1, step):
+        parallel = Parallelism(gpus, deployment.tensor_parallel, deployment.expert_parallel,
+                               deployment.attention_data_parallel)
+        plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
+                           deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
+                           max_seqs=deployment.max_num_seqs)
+        if plan.max_concurrency(deployment.context):
+            return gpus
+    return None
 
 
 def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
@@ -220,8 +264,7 @@ def weight_dtype_comparison(deployment: Deployment, baseline: str = "fp8", candi
     """FP8 against INT4 weights: size, single-stream decode speed, prefill speed."""
     rows = {w: evaluate(_with(deployment, weights=w)) for w in (baseline, candidate)}
     base, cand = rows[baseline], rows[candidate]
-    return {w: {**row.summary(), "single_stream_tokens_per_s": round(row.single_stream_tokens_per_s, 3)}
-            for w, row in rows.items()} | {
+    return {w: row.summary() for w, row in rows.items()} | {
         "weight_bytes_ratio": _ratio(cand.plan.weights_bytes_per_gpu, base.plan.weights_bytes_per_gpu),
         "single_stream_speedup": _ratio(cand.single_stream_tokens_per_s, base.single_stream_tokens_per_s),
         "prefill_speedup": _ratio(cand.prefill_tokens_per_s, base.prefill_tokens_per_s),

@@ -150,7 +150,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
               f"  {'prefill':22s} {summary['prefill_tokens_per_s']:.1f} tokens/s",
               f"  {'cost':22s} {summary['cost_per_million_tokens']} USD per million output tokens "
               f"at {result.gpu_hour_usd} USD/GPU-hour"]
-    lines += [f"note: {note}" for note in result.details()["notes"]]
+    lines += [f"note: {note}" for note in result.all_notes]
+    if not result.fits:
+        lines.insert(1, "DOES NOT FIT: " + result.all_notes[-1])
     print("\n".join(lines))
 
 
@@ -158,8 +160,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from planner.capacity import compare
 
     rows = compare(_deployment(args, args.weights[0], args.kv[0]), args.weights, args.kv)
-    table = [{"weights": row.deployment.weights, "kv": row.deployment.kv_dtype, **row.summary(),
-              "single_stream_tokens_per_s": round(row.single_stream_tokens_per_s, 3)} for row in rows]
+    table = [{"weights": row.deployment.weights, "kv": row.deployment.kv_dtype, **row.summary()} for row in rows]
     if args.json:
         print(json.dumps({"rows": table}))
         return
@@ -170,7 +171,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         cost = "-" if row["cost_per_million_tokens"] is None else f"{row['cost_per_million_tokens']:.3f}"
         lines.append(f"{row['weights']:8s} {row['kv']:5s} {_gib(row['weights_bytes_per_gpu']):>12s} "
                      f"{row['kv_capacity_tokens']:11d} {row['max_context_tokens']:9d} {row['max_concurrency']:6d} "
-                     f"{row['decode_tokens_per_s']:13.1f} {row['single_stream_tokens_per_s']:9.1f} "
+                     f"{row['decode_tokens_per_s']:13.1f} {row['single_stream_decode_tokens_per_s']:9.1f} "
                      f"{row['prefill_tokens_per_s']:14.1f} {cost:>8s}")
     print("\n".join(lines))
 

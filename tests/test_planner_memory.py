@@ -182,12 +182,35 @@ def test_plan_json_has_the_documented_keys():
     payload = json.loads(result.stdout)
     assert set(payload) == {"weights_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_capacity_tokens",
                             "max_context_tokens", "max_concurrency", "decode_tokens_per_s", "prefill_tokens_per_s",
-                            "cost_per_million_tokens"}
+                            "cost_per_million_tokens", "single_stream_decode_tokens_per_s", "fits", "note"}
     assert payload["kv_bytes_per_token_per_gpu"] == 35_136 and payload["max_concurrency"] > 0
+    assert payload["fits"] is True and 0 < payload["single_stream_decode_tokens_per_s"] < payload["decode_tokens_per_s"]
     cheaper = planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--weights",
                           "native", "--kv", "fp8", "--gpu-hour-usd", "1.75", "--json")
     assert json.loads(cheaper.stdout)["cost_per_million_tokens"] == pytest.approx(
         payload["cost_per_million_tokens"] / 2, rel=1e-3)
+
+
+def test_a_fleet_too_small_for_the_weights_says_so_and_how_many_gpus_it_needs():
+    small = evaluate(Deployment("kimi-k2.6", "h200", 3, weights="native", kv_dtype="fp8"))
+    assert not small.fits and small.concurrency == 0 and small.summary()["cost_per_million_tokens"] is None
+    needed = small.minimum_gpus
+    assert needed is not None and needed > 3
+    assert "do not fit" in small.note and f"needs at least {needed} x h200" in small.note
+    assert evaluate(Deployment("kimi-k2.6", "h200", needed, weights="native", kv_dtype="fp8")).fits
+    assert not evaluate(Deployment("kimi-k2.6", "h200", needed - 1, weights="native", kv_dtype="fp8")).fits
+    table = planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "3", "--weights", "native")
+    assert table.returncode == 0 and f"DOES NOT FIT: kimi-k2.6 needs at least {needed} x h200" in table.stdout
+    payload = json.loads(planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "3",
+                                     "--weights", "native", "--json").stdout)
+    assert payload["fits"] is False and payload["note"] == small.note
+
+
+def test_a_context_longer_than_the_pool_does_not_fit_though_the_weights_do():
+    long = evaluate(Deployment("llama-3.1-8b", "l4", 1, weights="bf16", kv_dtype="bf16", context=131072))
+    assert not long.fits and long.plan.kv_capacity_tokens > 0
+    assert "one request of 131072 tokens needs more KV" in long.note and long.minimum_gpus == 2
+    assert evaluate(Deployment("llama-3.1-8b", "l4", 1, weights="bf16", kv_dtype="bf16", context=8192)).note is None
 
 
 def test_plan_and_compare_print_tables():
