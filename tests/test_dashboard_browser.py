@@ -1,6 +1,6 @@
 """A real browser opens the dashboard: headless Chromium, driven over the DevTools protocol, waits for the
 Plan page's chart and screenshots it (kept under bench/results/); the image must not be blank and must
-show the memory chart. `.ci/run` installs Debian's chromium."""
+show the memory chart. `make test` installs Debian's chromium."""
 from __future__ import annotations
 
 import base64
@@ -25,7 +25,7 @@ def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):
             return shutil.which(name)
-    pytest.fail("no Chromium: `.ci/run` installs Debian's chromium (apt-get install chromium)")
+    pytest.fail("no Chromium: `make test` installs Debian's chromium (apt-get install chromium)")
 
 
 def free_port() -> int:
