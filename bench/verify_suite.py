@@ -2,9 +2,11 @@
 from a CPU profile; per-metric errors and a summary (median and largest absolute error).
 
 By default each workload's weights/KV combination is profiled again just before it runs (a short sweep,
-1-3 minutes, covering the batches and contexts these workloads reach): this shared VM's speed drifts by
-up to 1.7x over hours, and differently for different shapes, so a profile from another hour mostly
-measures the drift. `--profiles committed` verifies the committed profiles as they are.
+covering the steps these workloads form): this shared VM's speed drifts by up to 1.7x over hours, and
+differently for different shapes, so a profile from another hour mostly measures the drift. Those
+profiles, and so the engines that serve the workloads, run on one thread (`SUITE_THREADS`): a step that
+waits for two threads on a 2-core VM is at the mercy of anything else that runs. `--profiles committed`
+verifies the committed profiles as they are (with their own thread count).
 """
 from __future__ import annotations
 
@@ -40,8 +42,16 @@ SUITE = [
     ("memory-starved (preemptions)", "fp32-kvbf16",
      Workload("poisson", 30, rate=6.0, prompt=L("uniform", low=128, high=512), output=L("fixed", 64), seed=5), 0.05),
 ]
-FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 64, 128, 256, 512, 1024), decode_batches=(1, 2, 4, 8, 12, 16, 24, 32, 48),
-                        decode_contexts=(64, 128, 256, 512, 1024), warmup=1, repeats=2, max_kv_tokens=16384)
+# Covers the steps the workloads form: prefill chunks of 16-1024 tokens, decode batches of every size class
+# the batched matmul treats differently (its time per row is not smooth in the row count on this CPU),
+# and mixed steps of a few decodes beside a prompt's chunk, as Poisson arrivals make them.
+FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
+                        decode_batches=(1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48),
+                        decode_contexts=(64, 128, 256, 512, 1024),
+                        mixed=((1, 256, 128), (2, 256, 256), (4, 128, 64), (4, 512, 256), (8, 256, 128),
+                               (8, 512, 512), (16, 256, 256), (16, 512, 128), (32, 256, 64)),
+                        warmup=1, repeats=2, max_kv_tokens=16384)
+SUITE_THREADS = 1
 SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",
                    "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
@@ -61,7 +71,8 @@ def fresh_profile(committed: Path, out: Path) -> Path:
     """The committed profile's engine configuration, profiled again now."""
     from engine.profiler import Profiler
 
-    llm = engine_of(json.loads(committed.read_text())["fingerprint"], 1.0, max_num_batched_tokens=2048)
+    llm = engine_of(json.loads(committed.read_text())["fingerprint"], 1.0, max_num_batched_tokens=2048,
+                    num_threads=SUITE_THREADS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(Profiler(llm, FRESH_SWEEP).run(), indent=1) + "\n")
     return out

@@ -32,6 +32,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="KV cache budget in GiB (default: 1 GiB on CPU, 90%% of the GPU less what is in use)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for the engine's kernels (default: one per core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
-                        **extra)
+                        num_threads=args.threads, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:

@@ -184,6 +184,9 @@ class EngineConfig:
     integrity: str = "ownership"
     integrity_sample_pages: int = 0         # sealed pages verified per step in `full` mode; 0 = all
     seed: int = 0
+    # CPU threads for torch's kernels (process-wide); None keeps torch's default of one per core. On a shared
+    # machine one thread per engine is what stays steady: a multi-threaded step waits for its slowest thread.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.integrity in INTEGRITY_MODES,
@@ -207,6 +210,8 @@ class EngineConfig:
             _positive_int("num_pages", self.num_pages)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
         _require(self.kv_cache_gib is None or self.kv_cache_gib > 0,
                  f"kv cache size must be positive GiB, got {self.kv_cache_gib!r}")
         _require(0 < self.gpu_memory_utilization <= 1,

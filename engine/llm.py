@@ -74,6 +74,8 @@ class LLM:
         self.config = config
         self.device = resolve_device(config.device)
         on_gpu = self.device.type == "cuda"
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.compute_dtype = config.resolved_compute_dtype(on_gpu)
         loaded = load_model(config.model, self.compute_dtype, self.device, config.seed,
                             weight_format(config, self.compute_dtype))

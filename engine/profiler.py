@@ -8,9 +8,10 @@ pool is filled with one real prefill's K/V.
 
 The profile is a versioned JSON document:
 
-    {"version", "fingerprint": {engine version, device, cores / SMs, memory, torch, triton, dtypes,
-                                 measured copy bandwidth and matmul rate},
+    {"version", "fingerprint": {engine version, device, cores and torch threads / SMs, memory, torch,
+                                 triton, dtypes, measured copy bandwidth and matmul rate},
      "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
+     "linears": {"rows", "decoder_s", "head_rows", "head_s"}: the linear layers alone, by row count,
      "samples": [{"kind": "prefill" | "decode" | "mixed", "batch": {the step's shape}, "times_s": [...],
                   "median_s", "bytes_moved", "achieved_gb_s"}]}
 
@@ -35,12 +36,16 @@ from engine.kernel_backend import use_triton
 from engine.llm import LLM
 from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
-from engine.quantized_linear import fused_rows_limit, linear_weight_bytes
+from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 COPY_BYTES = 256 << 20
 MATMUL_SIZE = 2048
+# Row counts at which the linear layers are timed apart (`Profiler.measure_linears`): every count up to 8,
+# then denser than powers of two, since BLAS picks its kernels by row count.
+LINEAR_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256,
+               384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def _device_fingerprint(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"device": "cuda", "device_name": props.name, "sm_count": props.multi_processor_count,
-                "memory_bytes": props.total_memory, "cores": None}
+                "memory_bytes": props.total_memory, "cores": None, "threads": None}
     cpu_name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -78,7 +83,7 @@ def _device_fingerprint(device: torch.device) -> dict[str, Any]:
         pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"device": "cpu", "device_name": cpu_name, "sm_count": None, "memory_bytes": memory,
-            "cores": torch.get_num_threads()}
+            "cores": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
 def hardware_key(device_name: str, device_type: str) -> str | None:
@@ -180,6 +185,7 @@ class Profiler:
         self.model = model_section(llm)
         self.samples: list[dict[str, Any]] = []
         self.activation_peak_bytes: int | None = None
+        self.linears: dict[str, list] | None = None
         self._pool_holds_real_kv = False
 
     def _tokens(self, count: int) -> list[int]:
@@ -329,6 +335,44 @@ class Profiler:
             self._add_prefill(prefill)
         return self._time_from_scratch("mixed", set_up)
 
+    def _linear_layers(self) -> list[torch.nn.Module]:
+        kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
+        return [module for module in self.llm.model.layers.modules() if isinstance(module, kinds)]
+
+    def measure_linears(self, max_rows: int, max_head_rows: int) -> dict[str, list]:
+        """Seconds of all the decoder's linear layers, and of the output head, at each row count up to the
+        largest a profiled step has. A matmul's time is not smooth in its rows: BLAS changes kernels with the
+        row count (on a 2-core VM one thread ran SmolLM2's layers at 8 rows in 0.73x the time of 16, at 14
+        rows in 1.3x), which no formula of bytes and FLOPs says; the step model reads these instead."""
+        layers = self._linear_layers()
+        dtype = next(self.llm.model.parameters()).dtype
+        hidden = self.llm.model_config.hidden_size
+        rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
+
+        def decoder(count: int) -> Callable[[], None]:
+            inputs = {width: torch.randn(count, width, dtype=dtype, device=self.llm.device)
+                      for width in {layer.in_features for layer in layers}}
+            return lambda: [layer(inputs[layer.in_features]) for layer in layers]
+
+        def head(count: int) -> Callable[[], None]:
+            states = torch.randn(count, hidden, dtype=dtype, device=self.llm.device)
+            return lambda: self.llm.model.compute_logits(states)
+
+        with torch.inference_mode():
+            return {"rows": rows, "decoder_s": [self._median_time(decoder(r)) for r in rows],
+                    "head_rows": head_rows, "head_s": [self._median_time(head(r)) for r in head_rows]}
+
+    def _median_time(self, run: Callable[[], Any]) -> float:
+        times = []
+        for index in range(self.plan.warmup + self.plan.repeats):
+            _synchronize(self.llm.device)
+            start = time.perf_counter()
+            run()
+            _synchronize(self.llm.device)
+            if index >= self.plan.warmup:
+                times.append(time.perf_counter() - start)
+        return round(statistics.median(times), 7)
+
     def measure_activation_peak(self, tokens: int) -> int | None:
         """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
         self._add_prefill(tokens)
@@ -361,6 +405,9 @@ class Profiler:
             if progress is not None:
                 progress(label)
         bar.close()
+        self.linears = self.measure_linears(max(_new_tokens(s["batch"]) for s in self.samples),
+                                            max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"]
+                                                for s in self.samples))
         points = self.prefill_points()
         self.activation_peak_bytes = self.measure_activation_peak(max(points)) if points else None
         return self.document()
@@ -376,8 +423,18 @@ class Profiler:
                        "activation_peak_bytes": self.activation_peak_bytes},
             "plan": {"warmup": self.plan.warmup, "repeats": self.plan.repeats,
                      "max_kv_tokens": self.plan.max_kv_tokens},
+            "linears": self.linears,
             "samples": self.samples,
         }
+
+
+def _rows_up_to(count: int) -> list[int]:
+    """The grid's row counts up to the first at or past `count` (all of them past the grid's end)."""
+    return [r for r in LINEAR_ROWS if r < count] + [r for r in LINEAR_ROWS if r >= count][:1]
+
+
+def _new_tokens(batch: dict[str, int]) -> int:
+    return batch["num_decodes"] + batch["prefill_tokens"]
 
 
 def _progress_bar(total: int):

@@ -4,11 +4,14 @@ request is measured with the definitions of `engine.metrics` (the simulator's).
 Two clocks: `wall` (requests wait in real time; what a user would see) and `virtual` (time advances by the
 measured step durations only; the loop's own overhead costs nothing). Either way requests are admitted
 at step boundaries, and a step's recorded duration runs from one boundary to the next, so a simulator
-replaying those durations sees the same instants and must form exactly the same batches.
+replaying those durations sees the same instants and must form exactly the same batches. On the virtual
+clock, work done between steps (`between_steps`, e.g. timing reference steps on another engine so both see
+the same machine) is outside the served timeline.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.llm import LLM
@@ -39,11 +42,14 @@ class ServeResult:
     preemptions: int = 0
 
 
-def serve(llm: LLM, requests: list[ServeRequest], clock: str = "wall") -> ServeResult:
+def serve(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
+          between_steps: Callable[[int], None] | None = None) -> ServeResult:
     """Runs the requests to completion, admitting each at its arrival time (outputs of exactly
-    `output_tokens` tokens: end-of-sequence is ignored)."""
+    `output_tokens` tokens: end-of-sequence is ignored). `between_steps(steps so far)` runs after each step."""
     if clock not in ("wall", "virtual"):
         raise ValueError(f"clock must be 'wall' or 'virtual', got {clock!r}")
+    if between_steps is not None and clock != "virtual":
+        raise ValueError("work between steps would be counted as serving time on the wall clock: use 'virtual'")
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     timings = [RequestTiming(i, r.arrival_s, len(r.prompt_token_ids)) for i, r in enumerate(requests)]
     index_of: dict[int, int] = {}
@@ -83,4 +89,6 @@ def serve(llm: LLM, requests: list[ServeRequest], clock: str = "wall") -> ServeR
             timing.finish_s = now
             timing.output_tokens = len(result.token_ids)
             timing.preemptions = result.num_preemptions
+        if between_steps is not None:
+            between_steps(len(steps))
     return ServeResult(timings, steps, llm.num_preemptions - preemptions_before)

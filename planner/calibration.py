@@ -4,6 +4,11 @@ A calibration is the fitted `StepParameters` plus where they came from: the prof
 (engine version, device, dtypes, model) and a hash of its samples, the peaks the efficiencies are
 relative to, and the fit error per regime and on held-out points. Fits are robust (soft-L1 loss on
 relative errors, so one noisy point cannot drag the rest) and refused above an error threshold.
+
+A profile that timed its linear layers by row count (`engine.profiler.Profiler.measure_linears`) is fitted
+twice: with the physical terms alone (the `parameters`, which carry over to any model on this hardware),
+and with the measured linears in place of the weight and linear-FLOP terms (`measured_linears`: for the
+very model profiled, as verification uses it).
 """
 from __future__ import annotations
 
@@ -21,14 +26,19 @@ from engine.profile_format import PROFILE_VERSION, REGIMES
 from planner.errors import PlannerError
 from planner.files import read_json
 from planner.hardware import catalogue
-from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_terms
+from planner.step_model import BatchShape, MeasuredLinears, ModelCosts, Peaks, StepParameters, step_terms
 
 CALIBRATION_VERSION = 1
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
-LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0)
-UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0)
-X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3)
+UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0)
+X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+# each coefficient with the term it scales: one whose term is zero at every point is not fitted
+TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
+           "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
+           "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
+           "linear_scale": "measured_linear_s"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -84,11 +94,12 @@ class Points:
     linear_flops: np.ndarray
     attention_flops: np.ndarray
     num_seqs: np.ndarray
+    measured_linear_s: np.ndarray
     seconds: np.ndarray
 
     @classmethod
-    def of(cls, samples: list[dict[str, Any]], costs: ModelCosts) -> Points:
-        terms = [step_terms(costs, BatchShape(**sample["batch"])) for sample in samples]
+    def of(cls, samples: list[dict[str, Any]], costs: ModelCosts, linears: MeasuredLinears | None = None) -> Points:
+        terms = [step_terms(costs, BatchShape(**sample["batch"]), linears) for sample in samples]
         return cls(np.array([sample["kind"] for sample in samples]),
                    np.array([t.weight_bytes for t in terms], dtype=float),
                    np.array([t.gemv_weight_bytes for t in terms], dtype=float),
@@ -97,6 +108,7 @@ class Points:
                    np.array([t.linear_flops for t in terms], dtype=float),
                    np.array([t.attention_flops for t in terms], dtype=float),
                    np.array([t.num_seqs for t in terms], dtype=float),
+                   np.array([t.measured_linear_s for t in terms], dtype=float),
                    np.array([sample["median_s"] for sample in samples], dtype=float))
 
     def subset(self, mask: np.ndarray) -> Points:
@@ -112,16 +124,15 @@ def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
                + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = np.maximum(memory, compute), np.minimum(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * points.num_seqs
-            + longer + (1.0 - params.overlap) * shorter)
+            + params.linear_scale * points.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 
 def fit(points: Points, peaks: Peaks) -> StepParameters:
     """Robust least squares on relative errors, from several starting points (the max() makes it
     non-smooth). A coefficient whose term is zero at every point (no widened weights in a float profile)
     says nothing about the data: it keeps its default rather than wandering."""
-    free = np.ones(len(PARAMETER_NAMES), dtype=bool)
-    free[PARAMETER_NAMES.index("dequant_efficiency")] = bool(points.dequant_bytes.any())
-    free[PARAMETER_NAMES.index("gemv_efficiency")] = bool(points.gemv_weight_bytes.any())
+    free = np.array([bool(getattr(points, TERM_OF[name]).any()) if name in TERM_OF else True
+                     for name in PARAMETER_NAMES])
     defaults = np.array([getattr(StepParameters(), name) for name in PARAMETER_NAMES])
 
     def full(x: np.ndarray) -> np.ndarray:
@@ -134,7 +145,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
 
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
-        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap])[free]
+        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0])[free]
         result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
                                loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
         if best is None or result.cost < best.cost:
@@ -155,12 +166,8 @@ def holdout_split(points: Points) -> np.ndarray:
     return mask
 
 
-def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[str, Any]:
-    """Fits a profile; raises PlannerError when any regime's error is above `max_mape` percent."""
-    fingerprint = profile["fingerprint"]
-    costs = profile_costs(profile["model"])
-    peaks = profile_peaks(fingerprint)
-    points = Points.of(profile["samples"], costs)
+def fit_report(points: Points, peaks: Peaks, max_mape: float) -> dict[str, Any]:
+    """Fitted parameters, the error per regime and on held-out points; PlannerError above `max_mape` percent."""
     params = fit(points, peaks)
     report = {f"mape_{kind}_pct": round(mape_pct(points.subset(points.kinds == kind), peaks, params), 3)
               for kind in REGIMES if (points.kinds == kind).any()}
@@ -172,18 +179,29 @@ def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[s
     if report[worst] > max_mape:
         raise PlannerError(f"the fit's error is {report[worst]:.1f}% ({worst}), above the {max_mape:g}% threshold: "
                            "the profile is too noisy or the model does not describe this engine; re-profile")
-    return {
+    return {"parameters": asdict(params), **report, "holdout_mape_pct": holdout}
+
+
+def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[str, Any]:
+    """Fits a profile; raises PlannerError when any regime's error is above `max_mape` percent."""
+    fingerprint = profile["fingerprint"]
+    costs = profile_costs(profile["model"])
+    peaks = profile_peaks(fingerprint)
+    document = {
         "version": CALIBRATION_VERSION,
         "fingerprint": fingerprint,
         "samples_sha256": samples_hash(profile),
         "model": profile["model"],
         "peaks": asdict(peaks),
-        "parameters": asdict(params),
-        **report,
-        "holdout_mape_pct": holdout,
+        **fit_report(Points.of(profile["samples"], costs), peaks, max_mape),
         "max_mape_pct": max_mape,
         "num_samples": len(profile["samples"]),
     }
+    if profile.get("linears"):
+        linears = MeasuredLinears.of(profile["linears"])
+        document["measured_linears"] = {"linears": profile["linears"],
+                                        **fit_report(Points.of(profile["samples"], costs, linears), peaks, max_mape)}
+    return document
 
 
 @dataclass(frozen=True)
@@ -192,12 +210,17 @@ class Calibration:
     peaks: Peaks
     fingerprint: dict[str, Any]
     document: dict[str, Any]
+    linears: MeasuredLinears | None = None              # for the profiled model only, with its own parameters
+    measured_parameters: StepParameters | None = None
 
     @classmethod
     def of(cls, document: dict[str, Any], source: str = "calibration") -> Calibration:
         try:
+            measured = document.get("measured_linears")
             return cls(StepParameters(**document["parameters"]), Peaks(**document["peaks"]),
-                       document["fingerprint"], document)
+                       document["fingerprint"], document,
+                       MeasuredLinears.of(measured["linears"]) if measured else None,
+                       StepParameters(**measured["parameters"]) if measured else None)
         except (KeyError, TypeError, ValueError) as error:
             raise PlannerError(f"{source} is malformed: {error}") from None
 

@@ -25,10 +25,20 @@ converts every element (on a CPU that conversion, not DRAM, sets the pace). Atte
 weights while its tensor cores work; lower on a CPU where the same cores do both). The efficiencies and
 overheads are fitted to a profile of the real engine (`planner.calibration`); without one the
 documented defaults below stand in. Torch-free: the simulator calls it for every step it simulates.
+
+For the very model a profile timed, the profile's measured linear layers (`MeasuredLinears`: seconds of
+the decoder's linears and of the head by row count) replace the weight and linear-FLOP terms: BLAS and GPU
+libraries change kernels with the row count, so a matmul's time is not smooth in it, and a step of 12
+decodes can cost more than one of 16. Then
+
+    t_step = step_overhead + seq_overhead × sequences + linear_scale × (decoder(new tokens) + head(sequences))
+             + max(t_kv, t_attention) + (1 - overlap) × min(t_kv, t_attention)
 """
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from engine.memory import ceil_div
@@ -116,6 +126,7 @@ class StepParameters:
     compute_efficiency: float = 0.5
     attention_efficiency: float = 0.3
     overlap: float = 1.0
+    linear_scale: float = 1.0       # measured linears inside the step against timed alone (cache, threads)
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -128,6 +139,49 @@ class StepParameters:
                 raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
         if self.overlap > 1:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not 0 < self.linear_scale <= 3:
+            raise ValueError(f"linear_scale must be in (0, 3], got {self.linear_scale!r}")
+
+
+def _interpolate(rows: Sequence[int], seconds: Sequence[float], count: int) -> float:
+    """Piecewise linear between measured row counts; proportional beyond the last (compute-bound there)."""
+    if count <= 0:
+        return 0.0
+    if count >= rows[-1]:
+        return seconds[-1] * count / rows[-1]
+    right = bisect.bisect_left(rows, count)
+    if rows[right] == count or right == 0:
+        return seconds[right]
+    share = (count - rows[right - 1]) / (rows[right] - rows[right - 1])
+    return seconds[right - 1] + share * (seconds[right] - seconds[right - 1])
+
+
+@dataclass(frozen=True)
+class MeasuredLinears:
+    """A profile's timings of one model's linear layers alone: the decoder's (all layers) and the head's,
+    by row count. Valid for that model on that device and dtype only."""
+
+    rows: tuple[int, ...]
+    decoder_s: tuple[float, ...]
+    head_rows: tuple[int, ...]
+    head_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for rows, seconds, what in ((self.rows, self.decoder_s, "decoder"), (self.head_rows, self.head_s, "head")):
+            if not rows or len(rows) != len(seconds) or list(rows) != sorted(set(rows)) or rows[0] < 1:
+                raise ValueError(f"measured {what} linears need increasing row counts from 1 with one time each, "
+                                 f"got {rows!r} and {len(seconds)} times")
+            if any(not (math.isfinite(t) and t > 0) for t in seconds):
+                raise ValueError(f"measured {what} linear times must be positive, got {seconds!r}")
+
+    @classmethod
+    def of(cls, document: dict) -> MeasuredLinears:
+        return cls(tuple(document["rows"]), tuple(document["decoder_s"]), tuple(document["head_rows"]),
+                   tuple(document["head_s"]))
+
+    def seconds(self, new_tokens: int, sequences: int) -> float:
+        return (_interpolate(self.rows, self.decoder_s, new_tokens)
+                + _interpolate(self.head_rows, self.head_s, sequences))
 
 
 @dataclass(frozen=True)
@@ -151,6 +205,7 @@ class StepTerms:
     linear_flops: float
     attention_flops: float
     num_seqs: int
+    measured_linear_s: float = 0.0      # with MeasuredLinears: the linears' time, in place of their bytes and FLOPs
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -162,12 +217,15 @@ def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
     return max(batch.decode_context_tokens, padded)     # profiles without the longest context: no padding known
 
 
-def step_terms(costs: ModelCosts, batch: BatchShape) -> StepTerms:
+def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | None = None) -> StepTerms:
     decode_read = decode_tokens_read(costs, batch)
     kv_read = costs.kv_bytes_per_token * (decode_read + batch.prefill_context_tokens)
     kv_written = costs.kv_bytes_per_token * batch.new_tokens
-    linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
     attention = costs.attention_flops_per_pair * (decode_read + batch.prefill_pairs)
+    if linears is not None:
+        return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, 0.0, attention, batch.num_seqs,
+                         linears.seconds(batch.new_tokens, batch.num_seqs))
+    linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
     weights = costs.weight_bytes_read(batch.new_tokens)
     one_row = batch.new_tokens == 1
@@ -184,11 +242,12 @@ def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = max(memory, compute), min(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
-            + longer + (1.0 - params.overlap) * shorter)
+            + params.linear_scale * terms.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 
-def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape) -> float:
+def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape,
+              linears: MeasuredLinears | None = None) -> float:
     """Seconds for one step of `batch`; zero for an empty batch."""
     if batch.num_seqs == 0:
         return 0.0
-    return combine(step_terms(costs, batch), peaks, params)
+    return combine(step_terms(costs, batch, linears), peaks, params)

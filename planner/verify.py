@@ -8,13 +8,15 @@ times of a calibration fitted to the profile. Every metric follows `engine.metri
 Two predictions are exact by construction and reported as such: the KV capacity (both sides use
 `engine.memory`), and, with the engine's own step durations replayed, the preemption count and the
 sequence of batches. The timing metrics carry the step-time model's error, and the machine's: a shared
-VM runs the same step up to ~30% slower or faster from one minute to the next. So a few of the profile's
-own steps are timed again just before and after the run, and the errors are also reported with the
-predicted step times scaled by that drift: what is left is the model's error.
+VM runs the same step up to ~30% slower or faster from one minute to the next, and more when something
+else runs beside it. So a second engine of the same configuration times a few of the profile's own steps
+again *between* the served steps (the served timeline is the virtual clock of measured step durations, so
+this costs the workload nothing): both engines see the same machine at the same minutes, and the errors are
+also reported with the predicted step times scaled by that drift. What is left is the model's error.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,11 +24,11 @@ import numpy as np
 from engine.memory import GIB, KVLayout, kv_pages_for_budget
 from engine.metrics import summarize
 from engine.profile_format import REGIMES, batch_shape
-from planner.calibration import calibrate, check_fingerprint, load_profile, profile_costs
+from planner.calibration import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
 from planner.errors import PlannerError
 from planner.models import get_model
 from planner.simulator import Simulation, model_step_time, replayed_step_time
-from planner.step_model import Peaks, StepParameters, step_time
+from planner.step_model import BatchShape, step_time
 from planner.workload import Workload
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from engine.profiler import Profiler
     from engine.scheduler import SchedulerOutput
 
+PROBE_EVERY_STEPS = 8       # one reference step is timed after every this many served steps
 TIMING_METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
 
@@ -73,13 +76,60 @@ def english_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
-def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **limits: int) -> LLM:
-    """An engine here configured as the profiled one (model, weights, KV dtype, pages, integrity)."""
+def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any) -> LLM:
+    """An engine here configured as the profiled one (model, weights, KV dtype, pages, integrity, threads)."""
     from engine.llm import LLM
 
-    return LLM(model=fingerprint["model_source"], weights=fingerprint["weights"], kv_dtype=fingerprint["kv_dtype"],
-               group_size=fingerprint.get("group_size") or 128, device="cpu", page_size=fingerprint["page_size"],
-               kv_cache_gib=kv_cache_gib, integrity=fingerprint.get("integrity", "ownership"), **limits)
+    settings = {"model": fingerprint["model_source"], "weights": fingerprint["weights"],
+                "kv_dtype": fingerprint["kv_dtype"], "group_size": fingerprint.get("group_size") or 128,
+                "device": "cpu", "page_size": fingerprint["page_size"], "kv_cache_gib": kv_cache_gib,
+                "integrity": fingerprint.get("integrity", "ownership"), "num_threads": fingerprint.get("threads")}
+    return LLM(**{**settings, **overrides})
+
+
+@dataclass
+class DriftProbes:
+    """A few of the profile's own steps, timed again on a second engine between the served steps (cycling
+    through them, one every `every` steps): the machine's speed now against when it was profiled, seen by
+    the same cores at the same minutes as the served steps."""
+
+    profiler: Profiler
+    samples: list[dict[str, Any]]
+    every: int = PROBE_EVERY_STEPS
+    times: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.times = [[] for _ in self.samples]
+
+    def __call__(self, steps_done: int) -> None:
+        if self.samples and steps_done % self.every == 0:
+            self._time((steps_done // self.every - 1) % len(self.samples))
+
+    def _time(self, index: int) -> None:
+        self.times[index].append(self.profiler.remeasure(self.samples[index])["median_s"])
+
+    def complete(self) -> None:
+        """A run too short to reach every probe times the missing ones once, after it."""
+        for index, times in enumerate(self.times):
+            if not times:
+                self._time(index)
+
+    def ratios(self) -> list[float]:
+        return [t / sample["median_s"] for sample, times in zip(self.samples, self.times) for t in times]
+
+    def speed(self) -> float:
+        """The median ratio of now to then over every probe timed: > 1 where the machine is slower now."""
+        ratios = self.ratios()
+        return float(np.median(ratios)) if ratios else 1.0
+
+    def report(self) -> dict[str, Any]:
+        from engine.profiler import Profiler
+
+        return {"slowdown_vs_profile_pct": round(100 * (self.speed() - 1), 3), "probe_every_steps": self.every,
+                "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
+                            "timed": len(times), "median_s": round(float(np.median(times)), 6),
+                            "slowdown_pct": round(100 * (float(np.median(times)) / s["median_s"] - 1), 3)}
+                           for s, times in zip(self.samples, self.times)]}
 
 
 def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, max_num_seqs: int = 256,
@@ -94,8 +144,10 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     if fingerprint.get("device") != "cpu":
         raise PlannerError(f"verification runs the engine here, on a CPU; this profile is from "
                            f"{fingerprint.get('device_name')!r}")
-    calibration = calibrate(profile, max_mape)
-    params, peaks = StepParameters(**calibration["parameters"]), Peaks(**calibration["peaks"])
+    calibration = Calibration.of(calibrate(profile, max_mape))
+    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
+    if linears is not None:          # the profiled model itself: its linears as measured, by row count
+        params = calibration.measured_parameters
     costs = profile_costs(profile["model"])
     llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     specs = workload.requests()
@@ -103,16 +155,20 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
     prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs])
     requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
-    probe = Profiler(llm, SweepPlan(warmup=1, repeats=2))
-    probes = probe_samples(profile, probe)
-    before = [probe.remeasure(sample)["median_s"] for sample in probes]
-    served = serve(llm, requests, clock="wall")
-    after = [probe.remeasure(sample)["median_s"] for sample in probes]
-    ratios = [now / sample["median_s"] for sample, now in zip(probes + probes, before + after)]
-    speed = float(np.median(ratios)) if probes else 1.0
+    reference = engine_of(fingerprint, kv_cache_gib,
+                          num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"],
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
+    probes = DriftProbes(profiler, probe_samples(profile, profiler))
+    served = serve(llm, requests, clock="virtual", between_steps=probes)
+    probes.complete()
+    speed = probes.speed()
 
     config = llm.scheduler_config
-    model = model_step_time(lambda batch: step_time(costs, peaks, params, batch))
+    def step_seconds(batch: BatchShape) -> float:
+        return step_time(costs, peaks, params, batch, linears)
+
+    model = model_step_time(step_seconds)
     simulated = Simulation(config, model, record_steps=True).run(list(specs))
     replay_step = replayed_step_time([s.duration_s for s in served.steps])
     modelled: list[tuple[str, float]] = []
@@ -124,7 +180,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
     measured = summarize(served.timings)
     predicted = simulated.report()
-    corrected = Simulation(config, model_step_time(lambda batch: speed * step_time(costs, peaks, params, batch))
+    corrected = Simulation(config, model_step_time(lambda batch: speed * step_seconds(batch))
                            ).run(list(specs)).report()
     metrics = {
         "kv_capacity_tokens": _metric(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
@@ -137,16 +193,19 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
               "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
               "steps": len(served.steps),
               "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps])}
-    machine = {"slowdown_vs_profile_pct": round(100 * (speed - 1), 3),
-               "before_pct": _pct(ratios[:len(probes)]), "after_pct": _pct(ratios[len(probes):]),
-               "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
-                           "before_s": round(b, 6), "after_s": round(a, 6)} for s, b, a in zip(probes, before, after)],
+    machine = {**probes.report(),
                "metrics_drift_corrected": {name: _metric(corrected[name], measured[name]) for name in TIMING_METRICS}}
     return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),
-            "fingerprint": fingerprint, "calibration": {k: v for k, v in calibration.items()
-                                                        if k.startswith(("mape", "holdout")) or k == "parameters"},
+            "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
             "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
                        "max_num_batched_tokens": max_num_batched_tokens, "capacity_tokens": llm.capacity_tokens}}
+
+
+def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
+    """The fit the prediction used: with measured linears where the profile has them."""
+    fitted = document.get("measured_linears") or document
+    return {"measured_linears": "measured_linears" in document,
+            **{k: v for k, v in fitted.items() if k.startswith(("mape", "holdout")) or k == "parameters"}}
 
 
 def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str, Any]]:
@@ -165,10 +224,6 @@ def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str,
         at_batch = [s for s in by_kind["decode"] if s["batch"]["num_decodes"] == batch]
         chosen.append(at_batch[(len(at_batch) - 1) // 2])
     return chosen
-
-
-def _pct(ratios: list[float]) -> float | None:
-    return round(float(100 * (np.median(ratios) - 1)), 3) if ratios else None
 
 
 def regime(output: SchedulerOutput) -> str:
@@ -222,10 +277,11 @@ def markdown_report(result: dict[str, Any]) -> str:
 
 
 def _drift_section(machine: dict[str, Any]) -> str:
-    points = ", ".join(f"{p['kind']} {tuple(p['point'])}" for p in machine["probes"])
-    rows = [f"The profile's steps ({points}) ran {machine['before_pct']:+.1f}% slower just "
-            f"before the run and {machine['after_pct']:+.1f}% after than when profiled. With the predicted step "
-            f"times scaled by {machine['slowdown_vs_profile_pct']:+.1f}%:", "",
+    points = ", ".join(f"{p['kind']} {tuple(p['point'])} {p['slowdown_pct']:+.1f}% ({p['timed']}x)"
+                       for p in machine["probes"])
+    rows = [f"The profile's own steps, timed again between the served steps (one every "
+            f"{machine['probe_every_steps']}), ran slower than when profiled by: {points}. With the predicted step "
+            f"times scaled by the median, {machine['slowdown_vs_profile_pct']:+.1f}%:", "",
             "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
     for name, metric in machine["metrics_drift_corrected"].items():
         error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"

@@ -14,7 +14,7 @@ from planner.calibration import (MAX_MAPE_PCT, calibrate, check_fingerprint, loa
                                  profile_costs, profile_peaks, samples_hash)
 from planner.errors import PlannerError
 from planner.hardware import get_hardware
-from planner.step_model import BatchShape, StepParameters, step_time
+from planner.step_model import BatchShape, MeasuredLinears, StepParameters, step_time
 
 PROFILES = sorted((Path(__file__).resolve().parent.parent / "planner" / "profiles").glob("cpu-*.profile.json"))
 SMOLLM_MODEL = {
@@ -27,9 +27,16 @@ FINGERPRINT = {"engine_version": "0.1.0", "hardware": "cpu", "model": "smollm2-1
                "kv_dtype": "fp32", "copy_bandwidth_bytes_per_s": 30e9, "matmul_flops_per_s": 150e9}
 
 
-def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0) -> dict:
-    """Samples whose times the step model itself produced, over the profiler's usual grid."""
+# linears that BLAS runs faster at 16 rows than at 12 (as measured on this CPU), proportional past 64
+LINEARS = {"rows": [1, 2, 4, 8, 12, 16, 32, 64], "decoder_s": [0.04, 0.041, 0.06, 0.075, 0.105, 0.08, 0.12, 0.16],
+           "head_rows": [1, 4, 16, 64], "head_s": [0.01, 0.012, 0.02, 0.05]}
+
+
+def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0, linears: dict | None = None) -> dict:
+    """Samples whose times the step model itself produced, over the profiler's usual grid (with measured
+    linears in place of the weight and linear-FLOP terms if given)."""
     rng = random.Random(seed)
+    measured = MeasuredLinears.of(linears) if linears else None
     costs, peaks = profile_costs(SMOLLM_MODEL), profile_peaks(FINGERPRINT)
     batches = [("prefill", BatchShape.of([], [(n, n)])) for n in (16, 64, 256, 1024, 2048, 4096)]
     batches += [("decode", BatchShape.of([c] * b, [])) for b in (1, 4, 16, 64, 256) for c in (128, 512, 2048)]
@@ -37,9 +44,10 @@ def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0)
                                                                              (32, 1024, 128), (64, 128, 1024))]
     samples = []
     for kind, batch in batches:
-        seconds = step_time(costs, peaks, params, batch) * (1 + rng.uniform(-noise, noise))
+        seconds = step_time(costs, peaks, params, batch, measured) * (1 + rng.uniform(-noise, noise))
         samples.append({"kind": kind, "batch": batch.__dict__, "median_s": seconds, "times_s": [seconds]})
-    return {"version": PROFILE_VERSION, "fingerprint": FINGERPRINT, "model": SMOLLM_MODEL, "samples": samples}
+    return {"version": PROFILE_VERSION, "fingerprint": FINGERPRINT, "model": SMOLLM_MODEL, "samples": samples,
+            "linears": linears}
 
 
 @pytest.mark.parametrize("truth", [
@@ -54,6 +62,39 @@ def test_calibration_recovers_known_coefficients(truth):
     for name, value in truth.__dict__.items():
         absolute = 1e-6 if name.endswith("_s") else 1e-3      # seconds, or a fraction
         assert fitted[name] == pytest.approx(value, rel=0.02, abs=absolute), name
+
+
+def test_measured_linears_interpolate_between_row_counts_and_scale_past_the_last():
+    linears = MeasuredLinears.of(LINEARS)
+    assert linears.seconds(12, 1) == pytest.approx(0.105 + 0.01)
+    assert linears.seconds(10, 2) == pytest.approx((0.075 + 0.105) / 2 + 0.01 + (0.012 - 0.01) / 3)
+    assert linears.seconds(128, 128) == pytest.approx(0.32 + 0.1)
+    costs, peaks = profile_costs(SMOLLM_MODEL), profile_peaks(FINGERPRINT)
+    twelve, sixteen = (BatchShape.of([100] * n, []) for n in (12, 16))
+    params = StepParameters()
+    assert step_time(costs, peaks, params, twelve, linears) > step_time(costs, peaks, params, sixteen, linears)
+    assert step_time(costs, peaks, params, twelve) < step_time(costs, peaks, params, sixteen)    # bytes and FLOPs
+    with pytest.raises(ValueError, match="increasing row counts"):
+        MeasuredLinears.of({**LINEARS, "rows": [1, 4, 2, 8, 12, 16, 32, 64]})
+    with pytest.raises(ValueError, match="must be positive"):
+        MeasuredLinears.of({**LINEARS, "head_s": [0.01, 0.0, 0.02, 0.05]})
+
+
+def test_calibration_with_measured_linears_recovers_the_rest():
+    """The physical fit still comes first (it carries over to other models); the second fit, with the
+    profile's measured linears, recovers the overheads, KV and attention rates and the linears' scale."""
+    truth = StepParameters(3e-3, 4e-4, kv_bandwidth_efficiency=0.2, attention_efficiency=0.1, overlap=0.4,
+                           linear_scale=1.1)
+    calibration = calibrate(synthetic_profile(truth, linears=LINEARS), max_mape=1e9)
+    assert set(calibration["parameters"]) == set(truth.__dict__)
+    fitted = calibration["measured_linears"]["parameters"]
+    assert calibration["measured_linears"]["linears"] == LINEARS
+    for name in ("step_overhead_s", "seq_overhead_s", "kv_bandwidth_efficiency", "attention_efficiency", "overlap",
+                 "linear_scale"):
+        assert fitted[name] == pytest.approx(getattr(truth, name), rel=0.02, abs=1e-6 if name.endswith("_s") else 1e-3)
+    assert max(v for k, v in calibration["measured_linears"].items() if k.startswith("mape")) < 0.1
+    # no term for them: the weight and linear-FLOP efficiencies keep their defaults
+    assert fitted["bandwidth_efficiency"] == StepParameters().bandwidth_efficiency
 
 
 def test_a_fit_above_the_threshold_is_refused():

@@ -37,6 +37,18 @@ def test_a_profile_records_its_points_and_how_attention_reads(profile, small_eng
         assert bool((pool.float().flatten(2).abs().amax(-1) > 0).all())
 
 
+def test_a_profile_times_the_linear_layers_by_row_count(profile):
+    """Rows 1..8 each, then a grid up to the first count at or past the largest step (48 prefill tokens;
+    3 sequences for the head); a time for every count."""
+    linears = profile["linears"]
+    assert linears["rows"] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48]
+    assert linears["head_rows"] == [1, 2, 3]
+    assert len(linears["decoder_s"]) == len(linears["rows"]) and len(linears["head_s"]) == len(linears["head_rows"])
+    assert all(t > 0 for t in linears["decoder_s"] + linears["head_s"])
+    # 48 rows of all 30 layers' matmuls cost more than one row (the weights are read either way)
+    assert linears["decoder_s"][-1] > linears["decoder_s"][0]
+
+
 def test_the_profile_points_can_be_timed_again(profile, small_engine):
     """`planner verify` re-times a few profile points to see how the machine's speed drifted."""
     profiler = Profiler(small_engine, SweepPlan(warmup=0, repeats=1))

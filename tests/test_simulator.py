@@ -5,6 +5,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -163,7 +164,8 @@ def test_simulate_cli_json_and_errors():
 
 def test_simulator_replays_the_engines_batches(english_prompts):
     """The real engine serves staggered requests on a virtual clock; the simulator, given the engine's
-    measured step durations, forms exactly the same batches (ids, starts, token counts) in the same order."""
+    measured step durations, forms exactly the same batches (ids, starts, token counts) in the same order.
+    Work between steps (here a sleep, in verification the drift probes) stays out of the served timeline."""
     from engine.llm import LLM
     from engine.serving import ServeRequest, serve
 
@@ -174,7 +176,20 @@ def test_simulator_replays_the_engines_batches(english_prompts):
     for prompt in english_prompts[:12]:
         requests.append(ServeRequest(arrival, prompt, rng.randrange(10, 30)))
         arrival += rng.choice((0.0, 0.02, 0.1))
-    served = serve(llm, requests, clock="virtual")
+    calls = []
+
+    def between_steps(steps_done: int) -> None:
+        calls.append(steps_done)
+        if steps_done <= 3:
+            time.sleep(0.5)
+
+    with pytest.raises(ValueError, match="use 'virtual'"):
+        serve(llm, requests, clock="wall", between_steps=between_steps)
+    served = serve(llm, requests, clock="virtual", between_steps=between_steps)
+    assert calls == list(range(1, len(served.steps) + 1))
+    arrivals = {r.arrival_s for r in requests}
+    for before, after in zip(served.steps, served.steps[1:]):      # contiguous, or idle until an arrival
+        assert after.start_s == pytest.approx(before.start_s + before.duration_s, abs=1e-9) or after.start_s in arrivals
     # 24 pages of 8 tokens run out whatever this machine's speed: with constant steps from 10 ms to
     # 400 ms this arrival pattern preempts 3 to 8 times.
     assert served.preemptions > 0
