@@ -33,14 +33,24 @@ def test_fp8_kv_perplexity_close_to_bf16(kv_engines):
 
 
 def test_fp8_kv_greedy_answers_match_bf16(kv_engines):
-    same = 0
+    """FP8 pages may flip a near-tie, and a greedy answer then diverges for good (on one CPU the haiku
+    starts "The waves" with BF16 pages and "In the depths" with FP8; on another both say "The waves").
+    So both engines read the BF16 engine's greedy answers, teacher-forced: the FP8 engine must pick the same
+    next token almost everywhere, and only where BF16's own top two logits nearly tie."""
+    bf16, fp8 = kv_engines["bf16"], kv_engines["fp8"]
+    agree = positions = 0
     for chat in CHATS:
-        outputs = []
-        for engine in kv_engines.values():
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": chat}])
-            outputs.append(engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids)
-        same += outputs[0] == outputs[1]
-    assert same >= 3
+        prompt = bf16.encode_prompt(bf16.tokenizer.apply_chat_template([{"role": "user", "content": chat}]))
+        answer = bf16.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+        answered = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
+        reference, quantized = bf16.score(prompt + answer)[answered], fp8.score(prompt + answer)[answered]
+        assert reference.argmax(-1).tolist() == answer            # scoring reproduces the greedy answer
+        same = quantized.argmax(-1) == reference.argmax(-1)
+        top2 = reference.topk(2, dim=-1).values
+        assert bool(((top2[:, 0] - top2[:, 1]) < 1.0)[~same].all()), f"{chat!r}: FP8 KV flipped a clear choice"
+        agree += int(same.sum())
+        positions += len(answer)
+    assert agree >= 0.9 * positions, (agree, positions)
 
 
 def test_native_int4_perplexity_matches_the_dequantized_model(engine, native_engine):
