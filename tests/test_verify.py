@@ -44,7 +44,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     assert abs(corrected["output_tokens_per_s"]["error_pct"]) < 15
     assert abs(corrected["tpot_p50_s"]["error_pct"]) < 15
     assert abs(machine["slowdown_vs_profile_pct"]) < 50 and len(machine["probes"]) == 5
-    assert payload["fingerprint"]["threads"] == 1 and all(probe["timed"] >= 1 for probe in machine["probes"])
+    assert payload["fingerprint"]["threads"] == 1 and all(probe["timed"] >= 3 for probe in machine["probes"])
     assert {"workload", "fingerprint", "machine"} <= set(payload)
     assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
     assert "plotly" in (tmp_path / "figure.html").read_text()
