@@ -31,10 +31,14 @@ def batch_shape(output: SchedulerOutput) -> dict[str, int]:
             "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
 
 
+def new_tokens(batch: dict[str, int]) -> int:
+    """Rows a step runs through the linear layers: one per decode, every prefill chunk's tokens."""
+    return batch["num_decodes"] + batch["prefill_tokens"]
+
+
 def bytes_moved(model: dict[str, Any], batch: dict[str, int]) -> int:
     """Weights once, cached KV read, new KV written: the least a step must move."""
-    new_tokens = batch["num_decodes"] + batch["prefill_tokens"]
-    kv_tokens = batch["decode_context_tokens"] + batch["prefill_context_tokens"] + new_tokens
+    kv_tokens = batch["decode_context_tokens"] + batch["prefill_context_tokens"] + new_tokens(batch)
     return model["linear_weight_bytes"] + model["head_weight_bytes"] + model["kv_bytes_per_token"] * kv_tokens
 
 

@@ -35,7 +35,7 @@ from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.llm import LLM
 from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
-from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
+from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version, new_tokens
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -405,7 +405,7 @@ class Profiler:
             if progress is not None:
                 progress(label)
         bar.close()
-        self.linears = self.measure_linears(max(_new_tokens(s["batch"]) for s in self.samples),
+        self.linears = self.measure_linears(max(new_tokens(s["batch"]) for s in self.samples),
                                             max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"]
                                                 for s in self.samples))
         points = self.prefill_points()
@@ -431,10 +431,6 @@ class Profiler:
 def _rows_up_to(count: int) -> list[int]:
     """The grid's row counts up to the first at or past `count` (all of them past the grid's end)."""
     return [r for r in LINEAR_ROWS if r < count] + [r for r in LINEAR_ROWS if r >= count][:1]
-
-
-def _new_tokens(batch: dict[str, int]) -> int:
-    return batch["num_decodes"] + batch["prefill_tokens"]
 
 
 def _progress_bar(total: int):
