@@ -50,7 +50,7 @@ FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 32, 64, 96, 128, 192, 256, 384, 512,
                         decode_contexts=(64, 128, 256, 512, 1024),
                         mixed=((1, 256, 128), (2, 256, 256), (4, 128, 64), (4, 512, 256), (8, 256, 128),
                                (8, 512, 512), (16, 256, 256), (16, 512, 128), (32, 256, 64)),
-                        warmup=1, repeats=2, max_kv_tokens=16384)
+                        warmup=1, repeats=3, max_kv_tokens=16384)
 SUITE_THREADS = 1
 SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",
                    "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")

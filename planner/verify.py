@@ -88,6 +88,16 @@ def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any
     return LLM(**{**settings, **overrides})
 
 
+def warm_up(llm: LLM, prompt_tokens: int) -> None:
+    """One request of the workload's longest prompt through the engine before the clock starts: a fresh
+    engine's first steps fault their buffers in, which the profile (timed after a warm-up) never saw and
+    a served workload's first prefill, often its only one, would carry."""
+    from engine.sequence import SamplingParams
+
+    tokens = min(prompt_tokens, llm.config.max_num_batched_tokens, llm.max_model_len - 2)
+    llm.generate([list(range(1, tokens + 1))], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
 @dataclass
 class DriftProbes:
     """A few of the profile's own steps, timed again on a second engine between the served steps (cycling
@@ -162,6 +172,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
     probes = DriftProbes(profiler, probe_samples(profile, profiler))
+    warm_up(llm, max(spec.prompt_tokens for spec in specs))
     served = serve(llm, requests, clock="virtual", between_steps=probes)
     probes.complete()
     speed = probes.speed()
