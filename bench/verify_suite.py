@@ -101,7 +101,8 @@ def main() -> None:
         errors = {k: m["error_pct"] for k, m in result["metrics"].items()}
         print(f"{name:30s} " + " ".join(f"{k}={v:+.1f}%" if v is not None else f"{k}=-" for k, v in errors.items())
               + f" replay_same_batches={result['replay']['same_batches']}"
-              + f" machine_slowdown={result['machine']['slowdown_vs_profile_pct']:+.1f}%", file=out)
+              + f" machine_slowdown={result['machine']['slowdown_vs_profile_pct']:+.1f}%"
+              + f" cpu_steal={result['machine']['cpu_steal_pct']}%", file=out)
     summary = {"as calibrated": summarize_errors(runs, lambda r: r["metrics"], ("kv_capacity_tokens", *SUMMARY_METRICS)),
                "drift-corrected": summarize_errors(runs, lambda r: r["machine"]["metrics_drift_corrected"],
                                                    TIMING_METRICS)}

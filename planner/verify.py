@@ -88,6 +88,24 @@ def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any
     return LLM(**{**settings, **overrides})
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, all) CPU ticks since boot from Linux's /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(field) for field in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7], sum(ticks[:8])) if len(ticks) >= 8 else None
+
+
+def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests in between: a shared VM's steps slow down
+    with it, and neither the profile nor the step model can know."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 2)
+
+
 def warm_up(llm: LLM, prompt_tokens: int) -> None:
     """One request of the workload's longest prompt through the engine before the clock starts: a fresh
     engine's first steps fault their buffers in, which the profile (timed after a warm-up) never saw and
@@ -173,8 +191,10 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
     probes = DriftProbes(profiler, probe_samples(profile, profiler))
     warm_up(llm, max(spec.prompt_tokens for spec in specs))
+    cpu_before = cpu_ticks()
     served = serve(llm, requests, clock="virtual", between_steps=probes)
     probes.complete()
+    steal = steal_pct(cpu_before, cpu_ticks())
     speed = probes.speed()
 
     config = llm.scheduler_config
@@ -206,7 +226,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
               "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
               "steps": len(served.steps),
               "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps])}
-    machine = {**probes.report(),
+    machine = {**probes.report(), "cpu_steal_pct": steal,
                "metrics_drift_corrected": {name: _metric(corrected[name], measured[name]) for name in TIMING_METRICS}}
     return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),
             "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
@@ -294,7 +314,9 @@ def _drift_section(machine: dict[str, Any]) -> str:
                        for p in machine["probes"])
     rows = [f"The profile's own steps, timed again between the served steps (one every "
             f"{machine['probe_every_steps']}), ran slower than when profiled by: {points}. With the predicted step "
-            f"times scaled by the median, {machine['slowdown_vs_profile_pct']:+.1f}%:", "",
+            f"times scaled by the median, {machine['slowdown_vs_profile_pct']:+.1f}%"
+            + (f" (meanwhile the hypervisor gave {machine['cpu_steal_pct']}% of the CPU time to other guests)"
+               if machine.get("cpu_steal_pct") is not None else "") + ":", "",
             "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
     for name, metric in machine["metrics_drift_corrected"].items():
         error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"

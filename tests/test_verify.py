@@ -33,7 +33,8 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
         print("\nverification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items()))
         print("step model on the engine's steps: " + json.dumps(payload["replay"]["step_model"]))
         machine = payload["machine"]
-        print(f"machine vs profile: {machine['slowdown_vs_profile_pct']}% slower; drift-corrected errors: "
+        print(f"machine vs profile: {machine['slowdown_vs_profile_pct']}% slower (CPU steal "
+              f"{machine['cpu_steal_pct']}%); drift-corrected errors: "
               + ", ".join(f"{k} {m['error_pct']}%" for k, m in machine["metrics_drift_corrected"].items()))
     assert metrics["kv_capacity_tokens"]["error_pct"] == 0 and metrics["kv_capacity_tokens"]["measured"] > 0
     assert payload["replay"]["same_batches"]
@@ -44,7 +45,17 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     assert abs(corrected["output_tokens_per_s"]["error_pct"]) < 15
     assert abs(corrected["tpot_p50_s"]["error_pct"]) < 15
     assert abs(machine["slowdown_vs_profile_pct"]) < 50 and len(machine["probes"]) == 5
+    assert 0 <= machine["cpu_steal_pct"] <= 100            # Linux's /proc/stat, read around the served run
     assert payload["fingerprint"]["threads"] == 1 and all(probe["timed"] >= 3 for probe in machine["probes"])
     assert {"workload", "fingerprint", "machine"} <= set(payload)
     assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
     assert "plotly" in (tmp_path / "figure.html").read_text()
+
+
+def test_cpu_steal_share_between_two_readings():
+    from planner.verify import cpu_ticks, steal_pct
+
+    assert steal_pct((100, 1000), (130, 1600)) == 5.0
+    assert steal_pct(None, (130, 1600)) is None and steal_pct((100, 1000), (100, 1000)) is None
+    stolen, total = cpu_ticks()
+    assert 0 <= stolen <= total
