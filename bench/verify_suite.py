@@ -42,14 +42,17 @@ SUITE = [
     ("memory-starved (preemptions)", "fp32-kvbf16",
      Workload("poisson", 30, rate=6.0, prompt=L("uniform", low=128, high=512), output=L("fixed", 64), seed=5), 0.05),
 ]
-# Covers the steps the workloads form: prefill chunks of 16-1024 tokens, decode batches of every size class
-# the batched matmul treats differently (its time per row is not smooth in the row count on this CPU),
-# and mixed steps of a few decodes beside a prompt's chunk, as Poisson arrivals make them.
+# Covers the steps the workloads form: prefills of one prompt of 16-1024 tokens and of several prompts that
+# queued up behind a long step (up to the 2048-token budget), decode batches of every size class the batched
+# matmul treats differently (its time per row is not smooth in the row count on this CPU), and decodes
+# beside one prompt's or several prompts' prefill, as Poisson arrivals make them.
 FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
+                        multi_prefills=((2, 512), (4, 1024), (8, 1536), (12, 2048)),
                         decode_batches=(1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48),
                         decode_contexts=(64, 128, 256, 512, 1024),
                         mixed=((1, 256, 128), (2, 256, 256), (4, 128, 64), (4, 512, 256), (8, 256, 128),
-                               (8, 512, 512), (16, 256, 256), (16, 512, 128), (32, 256, 64)),
+                               (8, 512, 512), (16, 256, 256), (16, 512, 128), (32, 256, 64),
+                               (8, 256, 768, 3), (16, 256, 1024, 4), (24, 128, 2000, 12)),
                         warmup=1, repeats=3, max_kv_tokens=16384)
 SUITE_THREADS = 1
 SUMMARY_METRICS = ("peak_concurrency", "preemptions", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s",

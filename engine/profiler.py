@@ -1,4 +1,5 @@
-"""Profiles the real engine: step times of prefill, decode and mixed batches, and its memory.
+"""Profiles the real engine: step times of prefill (one prompt or several), decode and mixed batches, and its
+memory.
 
 Every sample is a real `LLM.step()` of the configured engine. Decode points need B sequences with C
 tokens already cached; prefilling them for real would take hours on a CPU, so the profiler reserves their
@@ -53,10 +54,13 @@ class SweepPlan:
     """Which points to time. Points that do not fit the KV pool or the context are left out."""
 
     prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    # (prompts, tokens in all): prompts that queued up while a step ran are prefilled together, whole
+    multi_prefills: tuple[tuple[int, int], ...] = ((2, 512), (4, 1024), (8, 2048))
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     decode_contexts: tuple[int, ...] = (128, 512, 2048, 8192, 32768, 131072)
-    mixed: tuple[tuple[int, int, int], ...] = ((4, 256, 64), (8, 512, 256), (16, 256, 512), (32, 1024, 128),
-                                               (64, 128, 1024))   # (decodes, their context, prefill tokens)
+    # (decodes, their context, prefill tokens[, prompts those tokens are split into; 1 if left out])
+    mixed: tuple[tuple[int, ...], ...] = ((4, 256, 64), (8, 512, 256), (16, 256, 512), (32, 1024, 128),
+                                          (64, 128, 1024), (8, 256, 1024, 4), (16, 256, 2032, 8))
     warmup: int = 1
     repeats: int = 3
     max_kv_tokens: int | None = None    # cap on cached tokens a step reads (the domain a CPU profile covers)
@@ -66,8 +70,22 @@ class SweepPlan:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v <= 0 for v in values):
                 raise ConfigError(f"{name} must be positive integers, got {values!r}")
+        for prompts, tokens in self.multi_prefills:
+            if not (isinstance(prompts, int) and isinstance(tokens, int) and 0 < prompts <= tokens):
+                raise ConfigError(f"multi_prefills are (prompts, tokens in all) with 0 < prompts <= tokens, "
+                                  f"got {(prompts, tokens)!r}")
+        for point in self.mixed:
+            if len(point) not in (3, 4) or any(not isinstance(v, int) or v <= 0 for v in point) or (
+                    len(point) == 4 and point[3] > point[2]):
+                raise ConfigError(f"mixed points are (decodes, context, prefill tokens[, prompts <= tokens]) of "
+                                  f"positive integers, got {point!r}")
         if self.warmup < 0 or self.repeats <= 0:
             raise ConfigError(f"warmup must be >= 0 and repeats > 0, got {self.warmup}, {self.repeats}")
+
+
+def split_prompts(tokens: int, prompts: int) -> list[int]:
+    """`tokens` split into `prompts` prompts as even as integers allow."""
+    return [tokens // prompts + (index < tokens % prompts) for index in range(prompts)]
 
 
 def _device_fingerprint(device: torch.device) -> dict[str, Any]:
@@ -248,11 +266,16 @@ class Profiler:
         self.samples.append(sample)
         return sample
 
-    def _fits(self, tokens: int) -> bool:
-        return tokens < self.llm.max_model_len and self.llm.block_manager.can_allocate(tokens + 1)
+    def _prompts_fit(self, tokens: int, prompts: int, pages_taken: int = 0) -> bool:
+        """`prompts` prompts of `tokens` in all, prefilled in one step beside `pages_taken` pages of decodes."""
+        page = self.llm.config.page_size
+        parts = split_prompts(tokens, prompts)
+        return (max(parts) < self.llm.max_model_len and tokens <= self.llm.config.max_num_batched_tokens
+                and (pages_taken + sum(pages_for_tokens(n + 1, page) for n in parts)) * page
+                <= self.llm.capacity_tokens)
 
-    def _prefill_fits(self, tokens: int) -> bool:
-        return self._fits(tokens) and tokens <= self.llm.config.max_num_batched_tokens
+    def _prefill_fits(self, tokens: int, prompts: int = 1) -> bool:
+        return prompts <= self.llm.config.max_num_seqs and self._prompts_fit(tokens, prompts)
 
     def _decode_fits(self, batch: int, context: int) -> bool:
         steps = self.plan.warmup + self.plan.repeats + 1
@@ -262,34 +285,39 @@ class Profiler:
                 and batch * pages_for_tokens(context + steps, page) * page <= capacity
                 and batch * context <= (self.plan.max_kv_tokens or capacity))
 
-    def _mixed_fits(self, batch: int, context: int, prefill: int) -> bool:
-        capacity = self.llm.capacity_tokens
+    def _mixed_fits(self, batch: int, context: int, prefill: int, prompts: int = 1) -> bool:
         page = self.llm.config.page_size
-        return (context + 2 < self.llm.max_model_len and prefill < self.llm.max_model_len
-                and batch * context + prefill <= (self.plan.max_kv_tokens or capacity)
-                and batch < self.llm.config.max_num_seqs and batch + prefill <= self.llm.config.max_num_batched_tokens
-                and (batch * pages_for_tokens(context + 2, page) + pages_for_tokens(prefill, page) + 1) * page
-                <= capacity)
+        return (context + 2 < self.llm.max_model_len
+                and batch * context + prefill <= (self.plan.max_kv_tokens or self.llm.capacity_tokens)
+                and batch + prompts <= self.llm.config.max_num_seqs
+                and batch + prefill <= self.llm.config.max_num_batched_tokens
+                and self._prompts_fit(prefill, prompts, batch * pages_for_tokens(context + 2, page)))
 
     def prefill_points(self) -> list[int]:
         return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
 
+    def multi_prefill_points(self) -> list[tuple[int, int]]:
+        """(tokens in all, prompts), in the order `profile_prefill` takes them."""
+        return [(tokens, prompts) for prompts, tokens in self.plan.multi_prefills if self._prefill_fits(tokens, prompts)]
+
     def decode_points(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts if self._decode_fits(b, c)]
 
-    def mixed_points(self) -> list[tuple[int, int, int]]:
-        return [(b, c, p) for b, c, p in self.plan.mixed if self._mixed_fits(b, c, p)]
+    def mixed_points(self) -> list[tuple[int, ...]]:
+        return [point for point in self.plan.mixed if self._mixed_fits(*point)]
 
     @staticmethod
     def point_of(sample: dict[str, Any]) -> tuple[int, ...]:
-        """A recorded sample's sweep point: (tokens), (batch, context) or (batch, context, prefill)."""
+        """A recorded sample's sweep point: (tokens[, prompts]), (batch, context) or
+        (batch, context, prefill tokens[, prompts]); the prompts only where there are several."""
         batch = sample["batch"]
-        if sample["kind"] == "prefill":
-            return (batch["prefill_tokens"],)
-        context = batch["decode_context_tokens"] // batch["num_decodes"]
         if sample["kind"] == "decode":
-            return batch["num_decodes"], context
-        return batch["num_decodes"], context, batch["prefill_tokens"]
+            return batch["num_decodes"], batch["decode_context_tokens"] // batch["num_decodes"]
+        prompts = (batch["num_prefills"],) if batch["num_prefills"] > 1 else ()
+        if sample["kind"] == "prefill":
+            return batch["prefill_tokens"], *prompts
+        context = batch["decode_context_tokens"] // batch["num_decodes"]
+        return batch["num_decodes"], context, batch["prefill_tokens"], *prompts
 
     def can_remeasure(self, sample: dict[str, Any]) -> bool:
         """Whether this engine (its pool, its limits) can run a step like a profile's `sample`."""
@@ -312,11 +340,12 @@ class Profiler:
             self._clear()
         return self._record(kind, times, output)
 
-    def _add_prefill(self, tokens: int) -> None:
-        self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=1, ignore_eos=True))
+    def _add_prefills(self, tokens: int, prompts: int) -> None:
+        for count in split_prompts(tokens, prompts):
+            self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True))
 
-    def profile_prefill(self, tokens: int) -> dict[str, Any]:
-        return self._time_from_scratch("prefill", lambda: self._add_prefill(tokens))
+    def profile_prefill(self, tokens: int, prompts: int = 1) -> dict[str, Any]:
+        return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts))
 
     def profile_decode(self, batch: int, context: int) -> dict[str, Any]:
         self._seed_decodes(batch, context, self.plan.warmup + self.plan.repeats + 1)
@@ -329,10 +358,10 @@ class Profiler:
         self._clear()
         return self._record("decode", times, output)
 
-    def profile_mixed(self, batch: int, context: int, prefill: int) -> dict[str, Any]:
+    def profile_mixed(self, batch: int, context: int, prefill: int, prompts: int = 1) -> dict[str, Any]:
         def set_up() -> None:
             self._seed_decodes(batch, context, 2)
-            self._add_prefill(prefill)
+            self._add_prefills(prefill, prompts)
         return self._time_from_scratch("mixed", set_up)
 
     def _linear_layers(self) -> list[torch.nn.Module]:
@@ -375,7 +404,7 @@ class Profiler:
 
     def measure_activation_peak(self, tokens: int) -> int | None:
         """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
-        self._add_prefill(tokens)
+        self._add_prefills(tokens, 1)
         if self.llm.device.type == "cuda":
             torch.cuda.synchronize(self.llm.device)
             before = torch.cuda.memory_allocated(self.llm.device)
@@ -390,10 +419,13 @@ class Profiler:
     def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
         jobs += [(f"prefill {n} tokens", lambda n=n: self.profile_prefill(n)) for n in self.prefill_points()]
+        jobs += [(f"prefill {k} prompts of {n} tokens", lambda n=n, k=k: self.profile_prefill(n, k))
+                 for n, k in self.multi_prefill_points()]
         jobs += [(f"decode batch {b} x context {c}", lambda b=b, c=c: self.profile_decode(b, c))
                  for b, c in self.decode_points()]
-        jobs += [(f"mixed {b} decodes at {c} + prefill {p}", lambda b=b, c=c, p=p: self.profile_mixed(b, c, p))
-                 for b, c, p in self.mixed_points()]
+        jobs += [(f"mixed {point[0]} decodes at {point[1]} + prefill {point[2]}"
+                  + (f" in {point[3]} prompts" if len(point) == 4 else ""),
+                  lambda point=point: self.profile_mixed(*point)) for point in self.mixed_points()]
         if not jobs:
             raise ConfigError("no profiling point fits this engine's KV pool and context")
         bar = _progress_bar(len(jobs))

@@ -16,17 +16,25 @@ def small_engine() -> LLM:
 
 @pytest.fixture(scope="module")
 def profile(small_engine) -> dict:
-    plan = SweepPlan(prefill_tokens=(16, 48, 4096), decode_batches=(1, 3), decode_contexts=(40, 9000),
-                     mixed=((2, 40, 24), (64, 40, 24)), warmup=0, repeats=1)
+    plan = SweepPlan(prefill_tokens=(16, 48, 4096), multi_prefills=((3, 40), (4, 600)), decode_batches=(1, 3),
+                     decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)), warmup=0, repeats=1)
     return Profiler(small_engine, plan).run()
 
 
 def test_a_profile_records_its_points_and_how_attention_reads(profile, small_engine):
     assert profile["version"] == PROFILE_VERSION
     kinds = [s["kind"] for s in profile["samples"]]
-    # the 4096-token prefill, the 9000-token contexts and 64 decodes do not fit this engine: left out
-    assert kinds == ["prefill", "prefill", "decode", "decode", "mixed"]
+    # the 4096-token prefill, 600 tokens in one step, the 9000-token contexts and 64 decodes do not fit this
+    # engine: left out
+    assert kinds == ["prefill", "prefill", "prefill", "decode", "decode", "mixed", "mixed"]
     assert set(kinds) == set(REGIMES)
+    # several prompts prefilled in one step, as even as integers allow, alone or beside decodes
+    shapes = [(s["batch"]["num_prefills"], s["batch"]["prefill_tokens"], s["batch"]["prefill_pairs"])
+              for s in profile["samples"] if s["batch"]["num_prefills"]]
+    def pairs(*prompts: int) -> int:
+        return sum(n * (n + 1) // 2 for n in prompts)
+    assert shapes == [(1, 16, pairs(16)), (1, 48, pairs(48)), (3, 40, pairs(14, 13, 13)), (1, 24, pairs(24)),
+                      (2, 31, pairs(16, 15))]
     decodes = [s["batch"] for s in profile["samples"] if s["kind"] == "decode"]
     assert [(b["num_decodes"], b["decode_context_tokens"], b["decode_max_context"]) for b in decodes] == \
         [(1, 40, 40), (3, 120, 40)]
