@@ -47,7 +47,7 @@ SUITE = [
 # matmul treats differently (its time per row is not smooth in the row count on this CPU), and decodes
 # beside one prompt's or several prompts' prefill, as Poisson arrivals make them.
 FRESH_SWEEP = SweepPlan(prefill_tokens=(16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024),
-                        multi_prefills=((2, 512), (4, 1024), (8, 1536), (12, 2048)),
+                        multi_prefills=((512, 2), (1024, 4), (1536, 8), (2048, 12)),
                         decode_batches=(1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48),
                         decode_contexts=(64, 128, 256, 512, 1024),
                         mixed=((1, 256, 128), (2, 256, 256), (4, 128, 64), (4, 512, 256), (8, 256, 128),

@@ -54,8 +54,8 @@ class SweepPlan:
     """Which points to time. Points that do not fit the KV pool or the context are left out."""
 
     prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-    # (prompts, tokens in all): prompts that queued up while a step ran are prefilled together, whole
-    multi_prefills: tuple[tuple[int, int], ...] = ((2, 512), (4, 1024), (8, 2048))
+    # (tokens in all, prompts): prompts that queued up while a step ran are prefilled together, whole
+    multi_prefills: tuple[tuple[int, int], ...] = ((512, 2), (1024, 4), (2048, 8))
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     decode_contexts: tuple[int, ...] = (128, 512, 2048, 8192, 32768, 131072)
     # (decodes, their context, prefill tokens[, prompts those tokens are split into; 1 if left out])
@@ -70,10 +70,10 @@ class SweepPlan:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v <= 0 for v in values):
                 raise ConfigError(f"{name} must be positive integers, got {values!r}")
-        for prompts, tokens in self.multi_prefills:
+        for tokens, prompts in self.multi_prefills:
             if not (isinstance(prompts, int) and isinstance(tokens, int) and 0 < prompts <= tokens):
-                raise ConfigError(f"multi_prefills are (prompts, tokens in all) with 0 < prompts <= tokens, "
-                                  f"got {(prompts, tokens)!r}")
+                raise ConfigError(f"multi_prefills are (tokens in all, prompts) with 0 < prompts <= tokens, "
+                                  f"got {(tokens, prompts)!r}")
         for point in self.mixed:
             if len(point) not in (3, 4) or any(not isinstance(v, int) or v <= 0 for v in point) or (
                     len(point) == 4 and point[3] > point[2]):
@@ -297,8 +297,7 @@ class Profiler:
         return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
 
     def multi_prefill_points(self) -> list[tuple[int, int]]:
-        """(tokens in all, prompts), in the order `profile_prefill` takes them."""
-        return [(tokens, prompts) for prompts, tokens in self.plan.multi_prefills if self._prefill_fits(tokens, prompts)]
+        return [point for point in self.plan.multi_prefills if self._prefill_fits(*point)]
 
     def decode_points(self) -> list[tuple[int, int]]:
         return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts if self._decode_fits(b, c)]
@@ -419,7 +418,7 @@ class Profiler:
     def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
         jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
         jobs += [(f"prefill {n} tokens", lambda n=n: self.profile_prefill(n)) for n in self.prefill_points()]
-        jobs += [(f"prefill {k} prompts of {n} tokens", lambda n=n, k=k: self.profile_prefill(n, k))
+        jobs += [(f"prefill {n} tokens in {k} prompts", lambda n=n, k=k: self.profile_prefill(n, k))
                  for n, k in self.multi_prefill_points()]
         jobs += [(f"decode batch {b} x context {c}", lambda b=b, c=c: self.profile_decode(b, c))
                  for b, c in self.decode_points()]

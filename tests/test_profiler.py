@@ -16,7 +16,7 @@ def small_engine() -> LLM:
 
 @pytest.fixture(scope="module")
 def profile(small_engine) -> dict:
-    plan = SweepPlan(prefill_tokens=(16, 48, 4096), multi_prefills=((3, 40), (4, 600)), decode_batches=(1, 3),
+    plan = SweepPlan(prefill_tokens=(16, 48, 4096), multi_prefills=((40, 3), (600, 4)), decode_batches=(1, 3),
                      decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)), warmup=0, repeats=1)
     return Profiler(small_engine, plan).run()
 
