@@ -258,13 +258,13 @@ class Profiler:
         return time.perf_counter() - start, self.llm.last_output
 
     def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
-        batch = batch_shape(output)
+        return self._sample(kind, batch_shape(output), times)
+
+    def _sample(self, kind: str, batch: dict[str, int], times: list[float]) -> dict[str, Any]:
         median = statistics.median(times)
         moved = bytes_moved(self.model, batch)
-        sample = {"kind": kind, "batch": batch, "times_s": [round(t, 6) for t in times],
-                  "median_s": round(median, 6), "bytes_moved": moved, "achieved_gb_s": round(moved / median / 1e9, 3)}
-        self.samples.append(sample)
-        return sample
+        return {"kind": kind, "batch": batch, "times_s": [round(t, 6) for t in times],
+                "median_s": round(median, 6), "bytes_moved": moved, "achieved_gb_s": round(moved / median / 1e9, 3)}
 
     def _prompts_fit(self, tokens: int, prompts: int, pages_taken: int = 0) -> bool:
         """`prompts` prompts of `tokens` in all, prefilled in one step beside `pages_taken` pages of decodes."""
@@ -326,15 +326,15 @@ class Profiler:
     def remeasure(self, sample: dict[str, Any]) -> dict[str, Any]:
         """The same sweep point again, now: how fast this machine runs today what it was profiled on."""
         measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed}
-        return measure[sample["kind"]](*self.point_of(sample))
+        return measure[sample["kind"]](*self.point_of(sample), warmup=self.plan.warmup, repeats=self.plan.repeats)
 
-    def _time_from_scratch(self, kind: str, set_up: Callable[[], None]) -> dict[str, Any]:
+    def _time_from_scratch(self, kind: str, set_up: Callable[[], None], warmup: int, repeats: int) -> dict[str, Any]:
         """Each repetition sets its batch up anew, times one step of it and clears the engine."""
         times, output = [], None
-        for index in range(self.plan.warmup + self.plan.repeats):
+        for index in range(warmup + repeats):
             set_up()
             elapsed, output = self._timed_step()
-            if index >= self.plan.warmup:
+            if index >= warmup:
                 times.append(elapsed)
             self._clear()
         return self._record(kind, times, output)
@@ -343,25 +343,26 @@ class Profiler:
         for count in split_prompts(tokens, prompts):
             self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True))
 
-    def profile_prefill(self, tokens: int, prompts: int = 1) -> dict[str, Any]:
-        return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts))
+    def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)
 
-    def profile_decode(self, batch: int, context: int) -> dict[str, Any]:
-        self._seed_decodes(batch, context, self.plan.warmup + self.plan.repeats + 1)
+    def profile_decode(self, batch: int, context: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        self._seed_decodes(batch, context, warmup + repeats + 1)
         times, output = [], None
-        for index in range(self.plan.warmup + self.plan.repeats):
+        for index in range(warmup + repeats):
             elapsed, step_output = self._timed_step()
-            if index >= self.plan.warmup:
+            if index >= warmup:
                 times.append(elapsed)
                 output = output or step_output
         self._clear()
         return self._record("decode", times, output)
 
-    def profile_mixed(self, batch: int, context: int, prefill: int, prompts: int = 1) -> dict[str, Any]:
+    def profile_mixed(self, batch: int, context: int, prefill: int, prompts: int = 1, warmup: int = 1,
+                      repeats: int = 1) -> dict[str, Any]:
         def set_up() -> None:
             self._seed_decodes(batch, context, 2)
             self._add_prefills(prefill, prompts)
-        return self._time_from_scratch("mixed", set_up)
+        return self._time_from_scratch("mixed", set_up, warmup, repeats)
 
     def _linear_layers(self) -> list[torch.nn.Module]:
         kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
@@ -387,19 +388,23 @@ class Profiler:
             return lambda: self.llm.model.compute_logits(states)
 
         with torch.inference_mode():
-            return {"rows": rows, "decoder_s": [self._median_time(decoder(r)) for r in rows],
-                    "head_rows": head_rows, "head_s": [self._median_time(head(r)) for r in head_rows]}
+            decoder_s = self._median_times([decoder(r) for r in rows])
+            head_s = self._median_times([head(r) for r in head_rows])
+        return {"rows": rows, "decoder_s": decoder_s, "head_rows": head_rows, "head_s": head_s}
 
-    def _median_time(self, run: Callable[[], Any]) -> float:
-        times = []
+    def _median_times(self, runs: list[Callable[[], Any]]) -> list[float]:
+        """Each run's median time over `repeats` passes through all of them (after `warmup` passes): a slow
+        minute of a shared machine then costs every run one timing, rather than all of one run's."""
+        times: list[list[float]] = [[] for _ in runs]
         for index in range(self.plan.warmup + self.plan.repeats):
-            _synchronize(self.llm.device)
-            start = time.perf_counter()
-            run()
-            _synchronize(self.llm.device)
-            if index >= self.plan.warmup:
-                times.append(time.perf_counter() - start)
-        return round(statistics.median(times), 7)
+            for run, timed in zip(runs, times):
+                _synchronize(self.llm.device)
+                start = time.perf_counter()
+                run()
+                _synchronize(self.llm.device)
+                if index >= self.plan.warmup:
+                    timed.append(time.perf_counter() - start)
+        return [round(statistics.median(timed), 7) for timed in times]
 
     def measure_activation_peak(self, tokens: int) -> int | None:
         """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
@@ -416,25 +421,38 @@ class Profiler:
         return peak
 
     def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-        jobs: list[tuple[str, Callable[[], dict[str, Any]]]] = []
-        jobs += [(f"prefill {n} tokens", lambda n=n: self.profile_prefill(n)) for n in self.prefill_points()]
-        jobs += [(f"prefill {n} tokens in {k} prompts", lambda n=n, k=k: self.profile_prefill(n, k))
+        """Every point timed once per pass, `repeats` passes (the first after `warmup` untimed steps of each):
+        a slow minute of a shared machine, which comes and goes (a neighbour slowed identical steps 2x for a
+        minute on this VM), then costs each point one of its timings, not all of some points' timings."""
+        Job = Callable[[int, int], dict[str, Any]]
+        jobs: list[tuple[str, Job]] = []
+        jobs += [(f"prefill {n} tokens", lambda w, r, n=n: self.profile_prefill(n, 1, w, r))
+                 for n in self.prefill_points()]
+        jobs += [(f"prefill {n} tokens in {k} prompts", lambda w, r, n=n, k=k: self.profile_prefill(n, k, w, r))
                  for n, k in self.multi_prefill_points()]
-        jobs += [(f"decode batch {b} x context {c}", lambda b=b, c=c: self.profile_decode(b, c))
+        # decodes warm up every pass: it costs one short step, and each pass then times the same contexts
+        jobs += [(f"decode batch {b} x context {c}", lambda w, r, b=b, c=c: self.profile_decode(b, c, self.plan.warmup, r))
                  for b, c in self.decode_points()]
         jobs += [(f"mixed {point[0]} decodes at {point[1]} + prefill {point[2]}"
                   + (f" in {point[3]} prompts" if len(point) == 4 else ""),
-                  lambda point=point: self.profile_mixed(*point)) for point in self.mixed_points()]
+                  lambda w, r, point=point: self.profile_mixed(*point, warmup=w, repeats=r))
+                 for point in self.mixed_points()]
         if not jobs:
             raise ConfigError("no profiling point fits this engine's KV pool and context")
-        bar = _progress_bar(len(jobs))
-        for label, job in jobs:
-            sample = job()
-            bar.set_description(label)
+        bar = _progress_bar(len(jobs) * self.plan.repeats)
+        passes: list[list[dict[str, Any]]] = []
+        for number in range(self.plan.repeats):
+            passes.append([])
+            for label, job in jobs:
+                passes[-1].append(job(self.plan.warmup if number == 0 else 0, 1))
+                bar.set_description(f"pass {number + 1}/{self.plan.repeats}: {label}")
+                bar.update()
+                if progress is not None:
+                    progress(label)
+        self.samples = [self._sample(timed[0]["kind"], timed[0]["batch"], [t for s in timed for t in s["times_s"]])
+                        for timed in zip(*passes)]
+        for (label, _), sample in zip(jobs, self.samples):
             bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s")
-            bar.update()
-            if progress is not None:
-                progress(label)
         bar.close()
         self.linears = self.measure_linears(max(new_tokens(s["batch"]) for s in self.samples),
                                             max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"]
