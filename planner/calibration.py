@@ -31,14 +31,14 @@ from planner.step_model import BatchShape, MeasuredLinears, ModelCosts, Peaks, S
 CALIBRATION_VERSION = 1
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
-LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3)
-UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0)
-X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1)
+LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3, 0.0)
+UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0, 0.1)
+X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1e-3)
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
-           "linear_scale": "measured_linear_s"}
+           "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -94,6 +94,7 @@ class Points:
     linear_flops: np.ndarray
     attention_flops: np.ndarray
     num_seqs: np.ndarray
+    num_prefills: np.ndarray
     measured_linear_s: np.ndarray
     seconds: np.ndarray
 
@@ -108,6 +109,7 @@ class Points:
                    np.array([t.linear_flops for t in terms], dtype=float),
                    np.array([t.attention_flops for t in terms], dtype=float),
                    np.array([t.num_seqs for t in terms], dtype=float),
+                   np.array([t.num_prefills for t in terms], dtype=float),
                    np.array([t.measured_linear_s for t in terms], dtype=float),
                    np.array([sample["median_s"] for sample in samples], dtype=float))
 
@@ -124,6 +126,7 @@ def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
                + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = np.maximum(memory, compute), np.minimum(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * points.num_seqs
+            + params.chunk_overhead_s * points.num_prefills
             + params.linear_scale * points.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 
@@ -145,7 +148,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
 
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
-        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0])[free]
+        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0, 1e-3])[free]
         result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
                                loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
         if best is None or result.cost < best.cost:

@@ -15,7 +15,7 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
               + KV bytes / (kv_bandwidth_efficiency × peak bandwidth)
     t_compute = linear flops / (compute_efficiency × peak FLOP/s)
               + attention flops / (attention_efficiency × peak FLOP/s)
-    t_step    = step_overhead + seq_overhead × sequences
+    t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
                 + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
 A step of one new token multiplies by vectors, not matrices: BLAS and GPU libraries run other kernels
@@ -31,8 +31,13 @@ the decoder's linears and of the head by row count) replace the weight and linea
 libraries change kernels with the row count, so a matmul's time is not smooth in it, and a step of 12
 decodes can cost more than one of 16. Then
 
-    t_step = step_overhead + seq_overhead × sequences + linear_scale × (decoder(new tokens) + head(sequences))
+    t_step = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
+             + linear_scale × (decoder(new tokens) + head(sequences))
              + max(t_kv, t_attention) + (1 - overlap) × min(t_kv, t_attention)
+
+Each prefill chunk runs its own attention in every layer (its pages gathered, its mask, one kernel call):
+about 0.5 ms per chunk and layer on one CPU thread for SmolLM2, 15 ms a prompt, so a step that prefills
+twelve prompts that queued up costs more than one of a single prompt of the same tokens.
 """
 from __future__ import annotations
 
@@ -127,6 +132,7 @@ class StepParameters:
     attention_efficiency: float = 0.3
     overlap: float = 1.0
     linear_scale: float = 1.0       # measured linears inside the step against timed alone (cache, threads)
+    chunk_overhead_s: float = 0.0   # per prefill chunk: its own attention call in every layer, its mask, its pages
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -205,6 +211,7 @@ class StepTerms:
     linear_flops: float
     attention_flops: float
     num_seqs: int
+    num_prefills: int = 0
     measured_linear_s: float = 0.0      # with MeasuredLinears: the linears' time, in place of their bytes and FLOPs
 
 
@@ -224,14 +231,14 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     attention = costs.attention_flops_per_pair * (decode_read + batch.prefill_pairs)
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, 0.0, attention, batch.num_seqs,
-                         linears.seconds(batch.new_tokens, batch.num_seqs))
+                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs))
     linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
     weights = costs.weight_bytes_read(batch.new_tokens)
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs)
+                     batch.num_seqs, batch.num_prefills)
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
@@ -242,6 +249,7 @@ def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = max(memory, compute), min(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
+            + params.chunk_overhead_s * terms.num_prefills
             + params.linear_scale * terms.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 

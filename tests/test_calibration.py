@@ -40,8 +40,10 @@ def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0,
     costs, peaks = profile_costs(SMOLLM_MODEL), profile_peaks(FINGERPRINT)
     batches = [("prefill", BatchShape.of([], [(n, n)])) for n in (16, 64, 256, 1024, 2048, 4096)]
     batches += [("decode", BatchShape.of([c] * b, [])) for b in (1, 4, 16, 64, 256) for c in (128, 512, 2048)]
-    batches += [("mixed", BatchShape.of([c] * b, [(p, p)])) for b, c, p in ((4, 256, 64), (16, 256, 512),
-                                                                             (32, 1024, 128), (64, 128, 1024))]
+    batches += [("prefill", BatchShape.of([], [(n // k, n // k)] * k)) for n, k in ((512, 2), (1024, 4), (2048, 8))]
+    batches += [("mixed", BatchShape.of([c] * b, [(p // k, p // k)] * k))
+                for b, c, p, k in ((4, 256, 64, 1), (16, 256, 512, 1), (32, 1024, 128, 1), (64, 128, 1024, 1),
+                                   (8, 256, 1024, 4), (16, 256, 2048, 8))]
     samples = []
     for kind, batch in batches:
         seconds = step_time(costs, peaks, params, batch, measured) * (1 + rng.uniform(-noise, noise))
@@ -51,9 +53,9 @@ def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0,
 
 
 @pytest.mark.parametrize("truth", [
-    StepParameters(3e-3, 4e-4, 0.35, 0.6, 0.05, 0.2, 0.6, 0.1, 0.2),
+    StepParameters(3e-3, 4e-4, 0.35, 0.6, 0.05, 0.2, 0.6, 0.1, 0.2, chunk_overhead_s=2e-3),
     StepParameters(1e-3, 1e-5, 0.8, 0.5, 0.6, 0.3, 0.4, 0.25, 0.6),
-    StepParameters(8e-3, 2e-3, 0.2, 0.4, 0.3, 0.1, 0.9, 0.5, 0.8),
+    StepParameters(8e-3, 2e-3, 0.2, 0.4, 0.3, 0.1, 0.9, 0.5, 0.8, chunk_overhead_s=1e-2),
 ])
 def test_calibration_recovers_known_coefficients(truth):
     """(With no overlap at all a dense model's weight time is the same every step, so it cannot be told
@@ -84,13 +86,13 @@ def test_calibration_with_measured_linears_recovers_the_rest():
     """The physical fit still comes first (it carries over to other models); the second fit, with the
     profile's measured linears, recovers the overheads, KV and attention rates and the linears' scale."""
     truth = StepParameters(3e-3, 4e-4, kv_bandwidth_efficiency=0.2, attention_efficiency=0.1, overlap=0.4,
-                           linear_scale=1.1)
+                           linear_scale=1.1, chunk_overhead_s=5e-3)
     calibration = calibrate(synthetic_profile(truth, linears=LINEARS), max_mape=1e9)
     assert set(calibration["parameters"]) == set(truth.__dict__)
     fitted = calibration["measured_linears"]["parameters"]
     assert calibration["measured_linears"]["linears"] == LINEARS
     for name in ("step_overhead_s", "seq_overhead_s", "kv_bandwidth_efficiency", "attention_efficiency", "overlap",
-                 "linear_scale"):
+                 "linear_scale", "chunk_overhead_s"):
         assert fitted[name] == pytest.approx(getattr(truth, name), rel=0.02, abs=1e-6 if name.endswith("_s") else 1e-3)
     assert max(v for k, v in calibration["measured_linears"].items() if k.startswith("mape")) < 0.1
     # no term for them: the weight and linear-FLOP efficiencies keep their defaults
