@@ -12,10 +12,12 @@ VM runs the same step up to ~30% slower or faster from one minute to the next, a
 else runs beside it. So a second engine of the same configuration times a few of the profile's own steps
 again *between* the served steps (the served timeline is the virtual clock of measured step durations, so
 this costs the workload nothing): both engines see the same machine at the same minutes, and the errors are
-also reported with the predicted step times scaled by that drift. What is left is the model's error.
+also reported with each predicted step time scaled by the drift measured around that instant (the probes
+nearest to it). What is left is the model's error.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,16 +128,21 @@ class DriftProbes:
     samples: list[dict[str, Any]]
     every: int = PROBE_EVERY_STEPS
     times: list[list[float]] = field(default_factory=list)
+    timeline: list[tuple[int, float]] = field(default_factory=list)     # (served steps before it, its ratio)
+    steps_done: int = 0
 
     def __post_init__(self) -> None:
         self.times = [[] for _ in self.samples]
 
     def __call__(self, steps_done: int) -> None:
+        self.steps_done = steps_done
         if self.samples and steps_done % self.every == 0:
             self._time((steps_done // self.every - 1) % len(self.samples))
 
     def _time(self, index: int) -> None:
-        self.times[index].append(self.profiler.remeasure(self.samples[index])["median_s"])
+        seconds = self.profiler.remeasure(self.samples[index])["median_s"]
+        self.times[index].append(seconds)
+        self.timeline.append((self.steps_done, seconds / self.samples[index]["median_s"]))
 
     def complete(self) -> None:
         """A run too short to time every probe `PROBE_MIN_TIMINGS` times tops them up after it: one timing
@@ -152,10 +159,29 @@ class DriftProbes:
         ratios = self.ratios()
         return float(np.median(ratios)) if ratios else 1.0
 
-    def report(self) -> dict[str, Any]:
+    def local_speeds(self, num_steps: int) -> list[float]:
+        """The machine's speed around each served step: the median ratio of the probe timings nearest to it,
+        two of each reference step. A neighbour on this VM can slow every step by 1.5-2x for a minute and then
+        leave (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the
+        whole run would pass that minute's error on to the rest."""
+        if not self.timeline:
+            return [1.0] * num_steps
+        at = np.array([step for step, _ in self.timeline], dtype=float)
+        ratios = np.array([ratio for _, ratio in self.timeline])
+        window = min(len(ratios), 2 * len(self.samples))
+        speeds = []
+        for step in range(num_steps):
+            nearest = np.argsort(np.abs(at - (step + 0.5)), kind="stable")[:window]
+            speeds.append(float(np.median(ratios[nearest])))
+        return speeds
+
+    def report(self, num_steps: int) -> dict[str, Any]:
         from engine.profiler import Profiler
 
+        local = self.local_speeds(num_steps) or [self.speed()]
+
         return {"slowdown_vs_profile_pct": round(100 * (self.speed() - 1), 3), "probe_every_steps": self.every,
+                "local_slowdown_pct": [round(100 * (min(local) - 1), 3), round(100 * (max(local) - 1), 3)],
                 "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
                             "timed": len(times), "median_s": round(float(np.median(times)), 6),
                             "slowdown_pct": round(100 * (float(np.median(times)) / s["median_s"] - 1), 3)}
@@ -195,7 +221,8 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     served = serve(llm, requests, clock="virtual", between_steps=probes)
     probes.complete()
     steal = steal_pct(cpu_before, cpu_ticks())
-    speed = probes.speed()
+    speeds = probes.local_speeds(len(served.steps))
+    starts = [step.start_s for step in served.steps]
 
     config = llm.scheduler_config
     def step_seconds(batch: BatchShape) -> float:
@@ -213,8 +240,14 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
     measured = summarize(served.timings)
     predicted = simulated.report()
-    corrected = Simulation(config, model_step_time(lambda batch: speed * step_seconds(batch))
-                           ).run(list(specs)).report()
+
+    def drifted(output: SchedulerOutput) -> float:
+        """The model's step at the machine's speed of the served step under way at that instant."""
+        served_step = max(0, bisect.bisect_right(starts, corrected.env.now) - 1)
+        return speeds[served_step] * model(output) if speeds else model(output)
+
+    corrected = Simulation(config, drifted)
+    corrected_report = corrected.run(list(specs)).report()
     metrics = {
         "kv_capacity_tokens": _metric(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
                                       llm.capacity_tokens),
@@ -225,9 +258,13 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     replay = {"preemptions": _metric(replayed.preemptions, served.preemptions),
               "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
               "steps": len(served.steps),
-              "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps])}
-    machine = {**probes.report(), "cpu_steal_pct": steal,
-               "metrics_drift_corrected": {name: _metric(corrected[name], measured[name]) for name in TIMING_METRICS}}
+              "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps]),
+              "step_model_drift_corrected": step_model_errors(
+                  [(kind, speed * seconds) for (kind, seconds), speed in zip(modelled, speeds)],
+                  [s.duration_s for s in served.steps])}
+    machine = {**probes.report(len(served.steps)), "cpu_steal_pct": steal,
+               "metrics_drift_corrected": {name: _metric(corrected_report[name], measured[name])
+                                           for name in TIMING_METRICS}}
     return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),
             "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
             "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
@@ -302,9 +339,11 @@ def markdown_report(result: dict[str, Any]) -> str:
         f"{'the same' if replay['same_batches'] else 'DIFFERENT'} batches; preemptions predicted "
         f"{replay['preemptions']['predicted']}, measured {replay['preemptions']['measured']}.",
         "", "The step model on those same steps (what its error is before queueing compounds it):", "",
-        "| steps | count | median step error | summed time error |", "| --- | ---: | ---: | ---: |",
-        *(f"| {name} | {e['steps']} | {e['median_error_pct']:+.1f}% | {e['total_error_pct']:+.1f}% |"
-          for name, e in replay["step_model"].items()),
+        "| steps | count | median step error | summed time error | at the machine's speed then: median | summed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(f"| {name} | {e['steps']} | {e['median_error_pct']:+.1f}% | {e['total_error_pct']:+.1f}% | "
+          f"{d['median_error_pct']:+.1f}% | {d['total_error_pct']:+.1f}% |"
+          for (name, e), d in zip(replay["step_model"].items(), replay["step_model_drift_corrected"].values())),
         "", _drift_section(result["machine"]),
         "", f"Calibration fit: {result['calibration']}", ""])
 
@@ -313,10 +352,12 @@ def _drift_section(machine: dict[str, Any]) -> str:
     points = ", ".join(f"{p['kind']} {tuple(p['point'])} {p['slowdown_pct']:+.1f}% ({p['timed']}x)"
                        for p in machine["probes"])
     rows = [f"The profile's own steps, timed again between the served steps (one every "
-            f"{machine['probe_every_steps']}), ran slower than when profiled by: {points}. With the predicted step "
-            f"times scaled by the median, {machine['slowdown_vs_profile_pct']:+.1f}%"
+            f"{machine['probe_every_steps']}), ran slower than when profiled by: {points}; by "
+            f"{machine['slowdown_vs_profile_pct']:+.1f}% in the median"
             + (f" (meanwhile the hypervisor gave {machine['cpu_steal_pct']}% of the CPU time to other guests)"
-               if machine.get("cpu_steal_pct") is not None else "") + ":", "",
+               if machine.get("cpu_steal_pct") is not None else "")
+            + ". With each predicted step time scaled by the probes nearest to it ("
+            + "{:+.1f}%..{:+.1f}%)".format(*machine["local_slowdown_pct"]) + ":", "",
             "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
     for name, metric in machine["metrics_drift_corrected"].items():
         error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"

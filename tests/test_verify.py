@@ -59,3 +59,16 @@ def test_cpu_steal_share_between_two_readings():
     assert steal_pct(None, (130, 1600)) is None and steal_pct((100, 1000), (100, 1000)) is None
     stolen, total = cpu_ticks()
     assert 0 <= stolen <= total
+
+
+def test_drift_is_taken_from_the_probes_nearest_each_served_step():
+    """A minute of a slow machine (ratios 2) between fast ones (1): the steps served in it are scaled by 2,
+    the others by 1, and one slow probe among fast ones moves nothing (the median of the nearest four)."""
+    from planner.verify import DriftProbes
+
+    probes = DriftProbes(profiler=None, samples=[{"median_s": 1.0}, {"median_s": 2.0}], every=1)
+    probes.timeline = [(step, 1.0) for step in range(10)] + [(step, 2.0) for step in range(10, 20)]
+    probes.timeline += [(step, 1.0) for step in range(20, 30)] + [(5, 3.0)]
+    speeds = probes.local_speeds(30)
+    assert speeds[:9] == [1.0] * 9 and speeds[12:18] == [2.0] * 6 and speeds[22:] == [1.0] * 8
+    assert DriftProbes(profiler=None, samples=[]).local_speeds(3) == [1.0, 1.0, 1.0]
