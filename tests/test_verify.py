@@ -32,6 +32,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     with capsys.disabled():
         print("\nverification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items()))
         print("step model on the engine's steps: " + json.dumps(payload["replay"]["step_model"]))
+        print("the same at the machine's speed then: " + json.dumps(payload["replay"]["step_model_drift_corrected"]))
         machine = payload["machine"]
         print(f"machine vs profile: {machine['slowdown_vs_profile_pct']}% slower (CPU steal "
               f"{machine['cpu_steal_pct']}%); drift-corrected errors: "
