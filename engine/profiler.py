@@ -452,7 +452,8 @@ class Profiler:
         self.samples = [self._sample(timed[0]["kind"], timed[0]["batch"], [t for s in timed for t in s["times_s"]])
                         for timed in zip(*passes)]
         for (label, _), sample in zip(jobs, self.samples):
-            bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s")
+            bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
+                      file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout
         bar.close()
         self.linears = self.measure_linears(max(new_tokens(s["batch"]) for s in self.samples),
                                             max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"]

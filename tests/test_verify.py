@@ -21,6 +21,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
                    "--batches", "1", "2", "4", "8", "12", "16", "24", "32",       # the workload peaks at ~30
                    "--contexts", "64", "128", "256", "512", "--repeats", "2", "--out", str(profile), "--json")
     assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["samples"] > 40          # --json: one JSON object on stdout, the points on stderr
     args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "4", "--requests", "30",
             "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48", "--kv-cache-gib", "0.1",
             "--seed", "1", "--out-dir", str(tmp_path), "--json"]
