@@ -127,12 +127,9 @@ class DriftProbes:
     profiler: Profiler
     samples: list[dict[str, Any]]
     every: int = PROBE_EVERY_STEPS
-    times: list[list[float]] = field(default_factory=list)
-    timeline: list[tuple[int, float]] = field(default_factory=list)     # (served steps before it, its ratio)
+    # every timing: (served steps before it, which probe, seconds)
+    timeline: list[tuple[int, int, float]] = field(default_factory=list)
     steps_done: int = 0
-
-    def __post_init__(self) -> None:
-        self.times = [[] for _ in self.samples]
 
     def __call__(self, steps_done: int) -> None:
         self.steps_done = steps_done
@@ -140,19 +137,23 @@ class DriftProbes:
             self._time((steps_done // self.every - 1) % len(self.samples))
 
     def _time(self, index: int) -> None:
-        seconds = self.profiler.remeasure(self.samples[index])["median_s"]
-        self.times[index].append(seconds)
-        self.timeline.append((self.steps_done, seconds / self.samples[index]["median_s"]))
+        self.timeline.append((self.steps_done, index, self.profiler.remeasure(self.samples[index])["median_s"]))
+
+    @property
+    def times(self) -> list[list[float]]:
+        """Each probe's timings, in the order they were taken."""
+        return [[seconds for _, probe, seconds in self.timeline if probe == index] for index in range(len(self.samples))]
 
     def complete(self) -> None:
         """A run too short to time every probe `PROBE_MIN_TIMINGS` times tops them up after it: one timing
         of a reference step is as noisy as the steps themselves (+-6% on this VM)."""
         for index, times in enumerate(self.times):
-            while len(times) < PROBE_MIN_TIMINGS:
+            for _ in range(PROBE_MIN_TIMINGS - len(times)):
                 self._time(index)
 
     def ratios(self) -> list[float]:
-        return [t / sample["median_s"] for sample, times in zip(self.samples, self.times) for t in times]
+        """Now against then, for every timing in the order taken."""
+        return [seconds / self.samples[probe]["median_s"] for _, probe, seconds in self.timeline]
 
     def speed(self) -> float:
         """The median ratio of now to then over every probe timed: > 1 where the machine is slower now."""
@@ -166,8 +167,8 @@ class DriftProbes:
         whole run would pass that minute's error on to the rest."""
         if not self.timeline:
             return [1.0] * num_steps
-        at = np.array([step for step, _ in self.timeline], dtype=float)
-        ratios = np.array([ratio for _, ratio in self.timeline])
+        at = np.array([step for step, _, _ in self.timeline], dtype=float)
+        ratios = np.array(self.ratios())
         window = min(len(ratios), 2 * len(self.samples))
         speeds = []
         for step in range(num_steps):
@@ -175,11 +176,10 @@ class DriftProbes:
             speeds.append(float(np.median(ratios[nearest])))
         return speeds
 
-    def report(self, num_steps: int) -> dict[str, Any]:
+    def report(self, local_speeds: list[float]) -> dict[str, Any]:
         from engine.profiler import Profiler
 
-        local = self.local_speeds(num_steps) or [self.speed()]
-
+        local = local_speeds or [self.speed()]
         return {"slowdown_vs_profile_pct": round(100 * (self.speed() - 1), 3), "probe_every_steps": self.every,
                 "local_slowdown_pct": [round(100 * (min(local) - 1), 3), round(100 * (max(local) - 1), 3)],
                 "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
@@ -262,7 +262,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
               "step_model_drift_corrected": step_model_errors(
                   [(kind, speed * seconds) for (kind, seconds), speed in zip(modelled, speeds)],
                   [s.duration_s for s in served.steps])}
-    machine = {**probes.report(len(served.steps)), "cpu_steal_pct": steal,
+    machine = {**probes.report(speeds), "cpu_steal_pct": steal,
                "metrics_drift_corrected": {name: _metric(corrected_report[name], measured[name])
                                            for name in TIMING_METRICS}}
     return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),

@@ -69,8 +69,8 @@ def test_drift_is_taken_from_the_probes_nearest_each_served_step():
     from planner.verify import DriftProbes
 
     probes = DriftProbes(profiler=None, samples=[{"median_s": 1.0}, {"median_s": 2.0}], every=1)
-    probes.timeline = [(step, 1.0) for step in range(10)] + [(step, 2.0) for step in range(10, 20)]
-    probes.timeline += [(step, 1.0) for step in range(20, 30)] + [(5, 3.0)]
+    probes.timeline = [(step, 0, 1.0) for step in range(10)] + [(step, 1, 4.0) for step in range(10, 20)]
+    probes.timeline += [(step, 0, 1.0) for step in range(20, 30)] + [(5, 0, 3.0)]
     speeds = probes.local_speeds(30)
     assert speeds[:9] == [1.0] * 9 and speeds[12:18] == [2.0] * 6 and speeds[22:] == [1.0] * 8
     assert DriftProbes(profiler=None, samples=[]).local_speeds(3) == [1.0, 1.0, 1.0]
