@@ -13,7 +13,7 @@ else runs beside it. So a second engine of the same configuration times a few of
 again *between* the served steps (the served timeline is the virtual clock of measured step durations, so
 this costs the workload nothing): both engines see the same machine at the same minutes, and the errors are
 also reported with each predicted step time scaled by the drift measured around that instant (the probes
-nearest to it). What is left is the model's error.
+nearest to it) for a step of its shape (the probe most like it). What is left is the model's error.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.profiler import Profiler
     from engine.scheduler import SchedulerOutput
+    from engine.serving import ServedStep
 
 PROBE_EVERY_STEPS = 3       # one reference step is timed after every this many served steps
 PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops them up after it)
@@ -160,21 +161,39 @@ class DriftProbes:
         ratios = self.ratios()
         return float(np.median(ratios)) if ratios else 1.0
 
-    def local_speeds(self, num_steps: int) -> list[float]:
-        """The machine's speed around each served step: the median ratio of the probe timings nearest to it,
-        two of each reference step. A neighbour on this VM can slow every step by 1.5-2x for a minute and then
-        leave (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the
-        whole run would pass that minute's error on to the rest."""
+    def probe_like(self, kind: str, num_decodes: int) -> int | None:
+        """The probe most like a step: a prefill or mixed step its regime's probe, a decode step the decode probe
+        nearest in batch size (by ratio: 1 is as far from 4 as 4 from 16)."""
+        same = [index for index, sample in enumerate(self.samples) if sample.get("kind") == kind]
+        if kind != "decode" or not same:
+            return same[0] if same else None
+        return min(same, key=lambda index: abs(np.log(max(1, self.samples[index]["batch"]["num_decodes"])
+                                                      / max(1, num_decodes))))
+
+    def local_speeds(self, shapes: list[tuple[str, int]]) -> list[float]:
+        """The machine's speed for each served step, given as (regime, decodes): how slow the machine was
+        around that instant (the median ratio of the probe timings nearest to it, two of each reference step)
+        times how much slower than that the probe most like the step ran over the whole run.
+
+        Both matter. A neighbour on this VM can slow every step by 1.5-2x for a minute and then leave
+        (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the whole run
+        would pass that minute's error on to the rest. And the drift is not one factor for every shape: in one
+        run the prefill probe ran 20% slower than profiled, the single-sequence decode 11%, the decode of 10
+        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast."""
         if not self.timeline:
-            return [1.0] * num_steps
+            return [1.0] * len(shapes)
         at = np.array([step for step, _, _ in self.timeline], dtype=float)
+        probes = np.array([probe for _, probe, _ in self.timeline])
         ratios = np.array(self.ratios())
         window = min(len(ratios), 2 * len(self.samples))
-        speeds = []
-        for step in range(num_steps):
-            nearest = np.argsort(np.abs(at - (step + 0.5)), kind="stable")[:window]
-            speeds.append(float(np.median(ratios[nearest])))
-        return speeds
+
+        def around(step: float) -> float:
+            return float(np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]))
+
+        relative = ratios / np.array([around(step) for step in at])
+        shape_factor = {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())}
+        return [around(step + 0.5) * shape_factor.get(self.probe_like(kind, decodes), 1.0)
+                for step, (kind, decodes) in enumerate(shapes)]
 
     def report(self, local_speeds: list[float]) -> dict[str, Any]:
         from engine.profiler import Profiler
@@ -221,7 +240,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     served = serve(llm, requests, clock="virtual", between_steps=probes)
     probes.complete()
     steal = steal_pct(cpu_before, cpu_ticks())
-    speeds = probes.local_speeds(len(served.steps))
+    speeds = probes.local_speeds([served_shape(step) for step in served.steps])
     starts = [step.start_s for step in served.steps]
 
     config = llm.scheduler_config
@@ -296,6 +315,14 @@ def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str,
     return chosen
 
 
+def served_shape(step: ServedStep) -> tuple[str, int]:
+    """A served step's regime and its number of decodes."""
+    decodes = sum(1 for _, start, new in step.batch if new == 1 and start > 0)
+    if decodes == len(step.batch):
+        return "decode", decodes
+    return ("prefill" if not decodes else "mixed"), decodes
+
+
 def regime(output: SchedulerOutput) -> str:
     """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
     shape = batch_shape(output)
@@ -356,7 +383,7 @@ def _drift_section(machine: dict[str, Any]) -> str:
             f"{machine['slowdown_vs_profile_pct']:+.1f}% in the median"
             + (f" (meanwhile the hypervisor gave {machine['cpu_steal_pct']}% of the CPU time to other guests)"
                if machine.get("cpu_steal_pct") is not None else "")
-            + ". With each predicted step time scaled by the probes nearest to it ("
+            + ". With each predicted step time scaled by the probes nearest to it, as the probe most like it ran ("
             + "{:+.1f}%..{:+.1f}%)".format(*machine["local_slowdown_pct"]) + ":", "",
             "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
     for name, metric in machine["metrics_drift_corrected"].items():

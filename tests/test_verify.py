@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+
 from conftest import REPO, run_cli
 
 
@@ -63,14 +65,33 @@ def test_cpu_steal_share_between_two_readings():
     assert 0 <= stolen <= total
 
 
+def _decode_probe(num_decodes: int, median_s: float) -> dict:
+    return {"kind": "decode", "batch": {"num_decodes": num_decodes}, "median_s": median_s}
+
+
 def test_drift_is_taken_from_the_probes_nearest_each_served_step():
     """A minute of a slow machine (ratios 2) between fast ones (1): the steps served in it are scaled by 2,
     the others by 1, and one slow probe among fast ones moves nothing (the median of the nearest four)."""
     from planner.verify import DriftProbes
 
-    probes = DriftProbes(profiler=None, samples=[{"median_s": 1.0}, {"median_s": 2.0}], every=1)
+    probes = DriftProbes(profiler=None, samples=[_decode_probe(1, 1.0), _decode_probe(1, 2.0)], every=1)
     probes.timeline = [(step, 0, 1.0) for step in range(10)] + [(step, 1, 4.0) for step in range(10, 20)]
     probes.timeline += [(step, 0, 1.0) for step in range(20, 30)] + [(5, 0, 3.0)]
-    speeds = probes.local_speeds(30)
+    speeds = probes.local_speeds([("decode", 1)] * 30)
     assert speeds[:9] == [1.0] * 9 and speeds[12:18] == [2.0] * 6 and speeds[22:] == [1.0] * 8
-    assert DriftProbes(profiler=None, samples=[]).local_speeds(3) == [1.0, 1.0, 1.0]
+    assert DriftProbes(profiler=None, samples=[]).local_speeds([("decode", 1)] * 3) == [1.0, 1.0, 1.0]
+
+
+def test_drift_of_each_step_follows_the_probe_most_like_it():
+    """The machine 10% slower for prefills and small decodes, 10% faster for big decodes, all run long: a step
+    takes the factor of the probe of its own regime, decodes the one nearest in batch size."""
+    from planner.verify import DriftProbes
+
+    samples = [{"kind": "prefill", "batch": {"num_decodes": 0}, "median_s": 1.0}, _decode_probe(1, 1.0),
+               _decode_probe(32, 1.0)]
+    probes = DriftProbes(profiler=None, samples=samples, every=1)
+    probes.timeline = [(step, step % 3, 0.9 if step % 3 == 2 else 1.1) for step in range(60)]
+    assert probes.probe_like("decode", 2) == 1 and probes.probe_like("decode", 20) == 2
+    assert probes.probe_like("mixed", 3) is None
+    speeds = probes.local_speeds([("prefill", 0), ("decode", 3), ("decode", 24), ("mixed", 4)])
+    assert np.allclose(speeds, [1.1, 1.1, 0.9, 1.1])
