@@ -34,16 +34,22 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget in GiB (default: 1 GiB on CPU, 90%% of the GPU less what is in use)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for the engine's kernels (default: one per core)")
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="keep the first N decoder layers of a big config (nothing else changes)")
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="keep the first E routed experts of each MoE layer (top-k..the config's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="engine", description="A paged-KV inference engine for Llama-family models.")
+    parser = OneLineParser(prog="engine", description="A paged-KV inference engine (Llama, DeepSeek-V3 / Kimi).")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     generate = commands.add_parser("generate", help="generate text for one prompt")
     _engine_options(generate)
-    generate.add_argument("--prompt", required=True)
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text (wrapped in the chat template unless --raw)")
+    prompt.add_argument("--prompt-token-ids", type=int, nargs="+", help="token ids, for models without a tokenizer")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -81,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
-                        num_threads=args.threads, **extra)
+                        num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
+                        **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -92,13 +99,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.sequence import SamplingParams
 
-    if not args.prompt.strip():
+    if args.prompt is not None and not args.prompt.strip():
         raise RequestError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     llm = LLM(engine_config(args, device=args.device, integrity=args.integrity))
-    prompt = args.prompt
-    if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+    prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
+    if args.prompt is not None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     result = llm.generate([prompt], params)[0]
     _emit({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
@@ -107,13 +114,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from engine.llm import CPU_DEFAULT_KV_GIB, kv_layout
+    from engine.llm import CPU_DEFAULT_KV_GIB
     from engine.loader import read_model_config, resolve, weight_bytes_report
-    from engine.memory import GIB, kv_bytes_per_token, kv_pages_for_budget, kv_scale_bytes
+    from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, kv_scale_bytes
 
     config = engine_config(args)
     source = resolve(config.model)
-    model_config = read_model_config(source)
+    model_config = read_model_config(source).truncated(config.num_layers, config.num_experts)
     layout = kv_layout(model_config, config.resolved_kv_dtype(on_gpu=False))
     budget = int((config.kv_cache_gib or CPU_DEFAULT_KV_GIB) * GIB)
     pages = kv_pages_for_budget(budget, layout, config.page_size)
@@ -121,6 +128,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     payload = {
         "weight_bytes": weights["weight_bytes"],
         "linear_weight_bytes": weights["linear_weight_bytes"],
+        "weight_bytes_by_component": weights["weight_bytes_by_component"],
         "weight_bytes_by_dtype": weights["weight_bytes_by_dtype"],
         "kv_bytes_per_token": kv_bytes_per_token(layout),
         "kv_scale_bytes": kv_scale_bytes(layout),

@@ -1,7 +1,7 @@
 """Configuration dataclasses of the engine, validated on construction. Torch-free."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import ConfigError
@@ -10,7 +10,6 @@ from engine.memory import FLOAT_DTYPES, INT4_GROUP_SIZES
 KV_DTYPES = (*FLOAT_DTYPES, "fp8")
 WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
 INTEGRITY_MODES = ("off", "ownership", "full")
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -21,122 +20,6 @@ def _require(condition: bool, message: str) -> None:
 def _positive_int(name: str, value: Any) -> None:
     _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
              f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding: base frequency and an optional long-context rescaling of the frequencies."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        _require(self.theta > 0, f"rope theta must be positive, got {self.theta!r}")
-        _require(self.rope_type in ROPE_TYPES,
-                 f"unsupported rope scaling type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
-        _require(self.factor >= 1.0, f"rope scaling factor must be >= 1, got {self.factor!r}")
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> RopeConfig:
-        """Reads both the classic (`rope_theta` + `rope_scaling`) and the newer `rope_parameters` form."""
-        params = dict(config.get("rope_parameters") or {})
-        scaling = dict(config.get("rope_scaling") or {})
-        merged = {**scaling, **params}
-        theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
-        rope_type = merged.get("rope_type", merged.get("type", "default"))
-        return cls(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
-        )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of a Llama-family decoder, as the engine needs it."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-5
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = "model"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            _positive_int(name, getattr(self, name))
-        _require(self.num_heads % self.num_kv_heads == 0,
-                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-
-    def linear_shapes(self) -> list[tuple[int, int]]:
-        """(out_features, in_features) of each linear layer of one decoder layer."""
-        hidden, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inter = self.intermediate_size
-        return [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden),
-                (hidden, inter)]
-
-    @property
-    def num_linear_parameters(self) -> int:
-        return self.num_layers * sum(o * i for o, i in self.linear_shapes())
-
-    @property
-    def num_parameters(self) -> int:
-        """Exact parameter count: embeddings (once if tied), attention, SwiGLU, norms, head."""
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embeddings
-        return self.num_layers * (attention + mlp + norms) + self.hidden_size + embeddings + head
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Parses a Hugging Face `config.json` of the Llama family (a nested `text_config` too)."""
-        if "text_config" in config:
-            config = {**config["text_config"], "tie_word_embeddings":
-                      config.get("tie_word_embeddings", config["text_config"].get("tie_word_embeddings", False))}
-        try:
-            num_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            eos = config.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=int(config["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_dim=int(config.get("head_dim") or hidden // num_heads),
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-                rope=RopeConfig.from_hf(config),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                bos_token_id=config.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                name=name,
-            )
-        except KeyError as missing:
-            raise ConfigError(f"config.json of {name!r} lacks the key {missing.args[0]!r}") from None
-        except (TypeError, ValueError) as bad:
-            raise ConfigError(f"config.json of {name!r} has a bad value: {bad}") from None
 
 
 @dataclass(frozen=True)
@@ -167,6 +50,8 @@ class EngineConfig:
     """What `LLM` is built from: the model, its dtypes, the KV pool and the batching limits."""
 
     model: str = "smollm2-135m"
+    num_layers: int | None = None           # keep the first N layers of a config too big for the machine
+    num_experts: int | None = None          # keep the first E routed experts of each MoE layer
     weights: str = "fp32"
     kv_dtype: str | None = None
     compute_dtype: str | None = None
@@ -210,8 +95,9 @@ class EngineConfig:
             _positive_int("num_pages", self.num_pages)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if self.num_threads is not None:
-            _positive_int("num_threads", self.num_threads)
+        for name in ("num_threads", "num_layers", "num_experts"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         _require(self.kv_cache_gib is None or self.kv_cache_gib > 0,
                  f"kv cache size must be positive GiB, got {self.kv_cache_gib!r}")
         _require(0 < self.gpu_memory_utilization <= 1,

@@ -51,8 +51,8 @@ def inject(llm: LLM, kind: str, rng: random.Random) -> Fault | None:
     if kind == "fp8_scale":
         if not llm.kv_cache.is_fp8 or not holders:
             return None
-        layer, head = rng.randrange(llm.kv_layout.num_layers), rng.randrange(llm.kv_layout.num_kv_heads)
-        llm.kv_cache.key_scales[layer, head] *= 2.0
+        scales = llm.kv_cache.scales[0]
+        scales[rng.randrange(scales.shape[0]), rng.randrange(scales.shape[1])] *= 2.0
         return _fault(kind, holders, None)
     if kind == "bit_flip":
         sealed = [seq for seq in holders if _full_pages(llm, seq)]
@@ -60,7 +60,7 @@ def inject(llm: LLM, kind: str, rng: random.Random) -> Fault | None:
             return None
         victim = rng.choice(sealed)
         page = rng.choice(_full_pages(llm, victim))
-        pool = rng.choice((llm.kv_cache.keys, llm.kv_cache.values))
+        pool = rng.choice(llm.kv_cache.pools)
         page_bytes = pool.view(torch.uint8)[rng.randrange(pool.shape[0]), page].view(-1)
         page_bytes[rng.randrange(page_bytes.numel())] ^= 1 << rng.randrange(8)
         return _fault(kind, [victim], page)

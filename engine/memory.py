@@ -5,15 +5,21 @@ Torch-free: the planner imports it where no torch is installed. Element sizes co
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
+from engine.spec import DECODER_COMPONENTS
+
+if TYPE_CHECKING:
+    from engine.spec import Linear, ModelSpec
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 INT4_GROUP_SIZES = (32, 64, 128)
 GIB = 1 << 30
-KV_SCALE_DTYPE = "fp32"        # one static scale per (layer, KV head) for K and for V
+KV_SCALE_DTYPE = "fp32"        # static FP8 KV scales: per layer, KV head and K/V (GQA); latent and rope key (MLA)
 FP8_WEIGHT_SCALE_DTYPE = "fp32"  # per output channel; fp16 would underflow for rows with small weights
 INT4_BITS = 4
 
@@ -27,24 +33,59 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What one token costs in the KV cache: K and V, for every layer and KV head."""
+    """What one token costs in the paged cache of each layer.
+
+    GQA caches K and V of each KV head (`num_kv_heads` x `head_dim` each); MLA one latent (`latent_dim`, the
+    kv_lora_rank) and the rope key it shares across heads (`rope_dim`). FP8 pages carry static fp32 scales per
+    layer: one per KV head for K and for V, or one for the latent and one for the rope key (they differ in
+    range: the latent is RMS-normalized, the rope key is not).
+    """
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
     dtype: str
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+    rope_dim: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        names = ("num_layers", "latent_dim", "rope_dim") if self.latent_dim else ("num_layers", "num_kv_heads", "head_dim")
+        for name in names:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.latent_dim and (self.num_kv_heads or self.head_dim):
+            raise ConfigError("a KV layout is either GQA (heads, head dim) or MLA (latent, rope dims), not both")
         dtype_bytes(self.dtype)
+
+    @property
+    def kind(self) -> str:
+        return "mla" if self.latent_dim else "gqa"
+
+    @property
+    def elements_per_layer(self) -> int:
+        if self.kind == "mla":
+            return self.latent_dim + self.rope_dim
+        return 2 * self.num_kv_heads * self.head_dim            # K and V x KV heads x head dim
+
+    @property
+    def scales_per_layer(self) -> int:
+        return 2 if self.kind == "mla" else 2 * self.num_kv_heads
+
+
+def kv_layout(spec: ModelSpec, dtype: str, attention_tp: int = 1) -> KVLayout:
+    """The model's cache on one device of a tensor-parallel group of `attention_tp`: GQA heads split over at
+    most their number (each device holds at least one), the MLA latent replicated (it has no heads)."""
+    attention = spec.attention
+    if attention.kind == "mla":
+        return KVLayout(spec.num_layers, dtype, latent_dim=attention.kv_lora_rank, rope_dim=attention.qk_rope_head_dim)
+    return KVLayout(spec.num_layers, dtype, num_kv_heads=ceil_div(attention.num_kv_heads, attention_tp),
+                    head_dim=attention.head_dim)
 
 
 def kv_bytes_per_token(layout: KVLayout) -> int:
-    # K and V  x  layers  x  KV heads  x  head dim  x  bytes per element
-    return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * dtype_bytes(layout.dtype)
+    # layers  x  elements per layer  x  bytes per element
+    return layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype)
 
 
 def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, scales_per_layer: int = 0) -> int:
@@ -58,10 +99,11 @@ def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, 
 
 
 def kv_scale_bytes(layout: KVLayout) -> int:
-    """FP8 pages share static scales, one per layer, KV head and K/V: a fixed cost, not per token."""
+    """FP8 pages share static scales (per layer: per KV head and K/V, or latent and rope key): a fixed cost,
+    not per token."""
     if layout.dtype != "fp8":
         return 0
-    return 2 * layout.num_layers * layout.num_kv_heads * dtype_bytes(KV_SCALE_DTYPE)
+    return layout.num_layers * layout.scales_per_layer * dtype_bytes(KV_SCALE_DTYPE)
 
 
 def kv_bytes_per_page(layout: KVLayout, page_size: int) -> int:
@@ -139,8 +181,74 @@ class WeightFormat:
         return numel * INT4_BITS // 8 + groups * per_group
 
 
-def model_weight_bytes(linear_shapes: list[tuple[int, int]], num_layers: int, num_other_parameters: int,
-                       fmt: WeightFormat, other_dtype: str) -> int:
-    """Linear layers in `fmt`; embeddings, norms and the output head in `other_dtype`."""
-    per_layer = sum(fmt.linear_bytes(out_features, in_features) for out_features, in_features in linear_shapes)
-    return num_layers * per_layer + weight_bytes(num_other_parameters, other_dtype)
+# Families whose checkpoints ship FP8 with one scale per 128 x 128 block: `fp8` means that layout for them
+BLOCK_FP8_FAMILIES = ("deepseek_v3", "glm_moe_dsa")
+FP8_BLOCK = 128
+# What a checkpoint ships in when its config does not say (by its outer `model_type`); the rest stays float.
+NATIVE_SCHEMES: dict[str, dict[str, WeightFormat]] = {
+    # Kimi K2 and K2.6: routed experts in INT4, groups of 32, symmetric, bf16 scales (quantization-aware trained)
+    **{kimi: {"routed_experts": WeightFormat("int4", 32, symmetric=True, scale_dtype="bf16")}
+       for kimi in ("kimi_k25", "kimi_k2")},
+    # DeepSeek-V3: every decoder linear in FP8 e4m3, one fp32 scale per 128 x 128 block
+    "deepseek_v3": {name: WeightFormat("fp8", block_size=FP8_BLOCK) for name in DECODER_COMPONENTS},
+}
+
+
+def native_scheme(config: dict[str, Any]) -> dict[str, WeightFormat]:
+    """The decoder components a checkpoint ships quantized, and how: its `quantization_config` where it has
+    one (block FP8 is read), else what its family is known to ship; {} means all float."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    quant = config.get("quantization_config") or text.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        block = (quant.get("weight_block_size") or [None])[0]
+        return {name: WeightFormat("fp8", block_size=block) for name in DECODER_COMPONENTS}
+    return dict(NATIVE_SCHEMES.get(str(config.get("model_type", "")), {}))
+
+
+def weight_scheme(spec: ModelSpec, weights: str, group_size: int = 128, symmetric: bool = False,
+                  scale_dtype: str = "bf16") -> dict[str, WeightFormat]:
+    """The format of each decoder component's linears under a weights choice ({}: all float). `native` is
+    what the checkpoint ships; `fp8` is per output channel, or per 128 x 128 block for the families that ship
+    it so; `int4` is group-wise."""
+    if weights == "native":
+        return native_scheme(spec.config)
+    if weights == "fp8":
+        fmt = WeightFormat("fp8", block_size=FP8_BLOCK if spec.family in BLOCK_FP8_FAMILIES else None)
+    elif weights == "int4":
+        fmt = WeightFormat("int4", group_size, symmetric, scale_dtype)
+    else:
+        return {}
+    return dict.fromkeys(DECODER_COMPONENTS, fmt)
+
+
+def unsplit(component: str, linear: Linear | None) -> tuple[int, bool]:
+    return 1, False
+
+
+def component_weight_bytes(spec: ModelSpec, scheme: dict[str, WeightFormat], float_dtype: str,
+                           split: Callable[[str, Linear | None], tuple[int, bool]] = unsplit) -> dict[str, int]:
+    """Weight bytes by component: each decoder linear in its component's format (float where the scheme has
+    none), everything else in `float_dtype`. `split(component, linear)` says over how many devices a linear
+    (None: the component's other parameters) is divided, and whether whole matrices are dealt out (experts
+    over expert-parallel ranks) rather than each matrix cut: then the bytes are one device's share."""
+    float_format = WeightFormat(float_dtype)
+    result = {}
+    for name, part in spec.components().items():
+        fmt = scheme.get(name, float_format) if name in DECODER_COMPONENTS else float_format
+        total = 0
+        for linear in part.linears:
+            per_matrix = fmt.linear_bytes(linear.out_features, linear.in_features)
+            shards, whole_matrices = split(name, linear)
+            total += (ceil_div(linear.count, shards) * per_matrix if whole_matrices
+                      else linear.count * ceil_div(per_matrix, shards))
+        total += ceil_div(weight_bytes(part.other_parameters, float_dtype), split(name, None)[0])
+        result[name] = total
+    return result
+
+
+def decoder_linear_bytes(spec: ModelSpec, scheme: dict[str, WeightFormat], float_dtype: str) -> int:
+    """The decoder layers' matmul weights alone (no norms, routers, embeddings or head), each component's
+    in its format: what quantization changes."""
+    parts = spec.components()
+    return sum(scheme.get(name, WeightFormat(float_dtype)).linear_bytes(linear.out_features, linear.in_features)
+               * linear.count for name in DECODER_COMPONENTS for linear in parts[name].linears)

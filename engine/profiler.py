@@ -178,18 +178,18 @@ def model_section(llm: LLM) -> dict[str, Any]:
     head = llm.model.embed_tokens.weight if llm.model.lm_head is None else llm.model.lm_head.weight
     return {
         "name": config.name, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_heads": config.num_heads,
-        "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "num_parameters": config.num_parameters,
-        "num_linear_parameters": config.num_linear_parameters,
+        "intermediate_size": config.ffn.dense_intermediate, "num_heads": config.attention.num_heads,
+        "num_kv_heads": config.attention.num_kv_heads, "head_dim": config.attention.head_dim,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "num_parameters": config.total_parameters,
+        "num_linear_parameters": config.decoder_linear_parameters,
         "linear_weight_bytes": linear_weight_bytes(llm.model),
         "head_weight_bytes": head.nbytes,
         "weight_bytes": sum(t.nbytes for t in llm.model.state_dict().values()),
         "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
         # a step of more rows than this widens every quantized weight: written, then read by the matmul
         "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
-        "dequantized_weight_bytes": 2 * config.num_linear_parameters * head.element_size(),
+        "dequantized_weight_bytes": 2 * config.decoder_linear_parameters * head.element_size(),
         # the pure-torch decode attention reads every decode's pages padded to the batch's longest
         "decode_padding_page": None if use_triton(head) else llm.config.page_size,
     }
@@ -222,10 +222,10 @@ class Profiler:
         seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True))
         self.llm.step()                                  # the prefill writes K/V; the sequence still runs
         cache = self.llm.kv_cache
-        written = torch.tensor(self.llm.block_manager.block_table(seq_id)[:tokens // page], device=cache.keys.device)
-        tile_pages = max(len(written), min(cache.num_pages, (256 << 20) // cache.keys[:, 0].nbytes))  # <= 256 MiB
-        for pool in (cache.keys, cache.values):
-            tile = pool[:, written].repeat(1, ceil_div(tile_pages, len(written)), 1, 1, 1)
+        written = torch.tensor(self.llm.block_manager.block_table(seq_id)[:tokens // page], device=cache.device)
+        tile_pages = max(len(written), min(cache.num_pages, (256 << 20) // cache.pools[0][:, 0].nbytes))  # <= 256 MiB
+        for pool in cache.pools:
+            tile = pool[:, written].repeat(1, ceil_div(tile_pages, len(written)), *[1] * (pool.dim() - 2))
             for start in range(0, cache.num_pages, tile.shape[1]):
                 count = min(tile.shape[1], cache.num_pages - start)
                 pool[:, start:start + count] = tile[:, :count]

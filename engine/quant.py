@@ -1,4 +1,4 @@
-"""Pure quantization primitives: FP8 e4m3 with scales, group-wise INT4, per-channel FP8 weights.
+"""Pure quantization primitives: FP8 e4m3 with scales, group-wise INT4, per-channel or block FP8 weights.
 
 No modules here; `engine.quantized_linear` swaps layers. Conventions:
 - FP8: x ≈ q * scale, q in e4m3 (|q| <= 448), scale = amax / 448.
@@ -53,17 +53,36 @@ def fp8_per_head_scale(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Fp8Weight:
     values: torch.Tensor      # [out, in] float8_e4m3fn
-    scales: torch.Tensor      # [out] one per output channel
+    scales: torch.Tensor      # [out] one per output channel, or [ceil(out / block), ceil(in / block)]
+    block_size: int | None = None
+
+    def scale_grid(self) -> torch.Tensor:
+        """One fp32 scale per weight element: the row's, or its block's (DeepSeek's 128 x 128 blocks)."""
+        if self.block_size is None:
+            return self.scales.float()[:, None]
+        rows, columns = self.values.shape
+        grid = self.scales.float().repeat_interleave(self.block_size, 0).repeat_interleave(self.block_size, 1)
+        return grid[:rows, :columns]
 
 
-def quantize_fp8_weight(weight: torch.Tensor) -> Fp8Weight:
-    scales = fp8_scale(weight.abs().amax(dim=1))
-    values = quantize_fp8(weight, scales[:, None])
-    return Fp8Weight(values, scales.to(TORCH_DTYPES[FP8_WEIGHT_SCALE_DTYPE]))
+def quantize_fp8_weight(weight: torch.Tensor, block_size: int | None = None) -> Fp8Weight:
+    """Per output channel, or per `block_size` x `block_size` block (edge blocks partial)."""
+    scale_dtype = TORCH_DTYPES[FP8_WEIGHT_SCALE_DTYPE]
+    if block_size is None:
+        scales = fp8_scale(weight.abs().amax(dim=1))
+        return Fp8Weight(quantize_fp8(weight, scales[:, None]), scales.to(scale_dtype))
+    rows, columns = weight.shape
+    padded = torch.zeros(-(-rows // block_size) * block_size, -(-columns // block_size) * block_size,
+                         dtype=torch.float32, device=weight.device)
+    padded[:rows, :columns] = weight.abs()
+    blocks = padded.view(padded.shape[0] // block_size, block_size, padded.shape[1] // block_size, block_size)
+    scales = fp8_scale(blocks.amax(dim=(1, 3)))
+    quantized = Fp8Weight(weight, scales.to(scale_dtype), block_size)
+    return Fp8Weight(quantize_fp8(weight, quantized.scale_grid()), quantized.scales, block_size)
 
 
 def dequantize_fp8_weight(weight: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return dequantize_fp8(weight.values, weight.scales.float()[:, None], dtype)
+    return dequantize_fp8(weight.values, weight.scale_grid(), dtype)
 
 
 @dataclass

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernel_backend import use_triton
+from engine.layers.moe import Experts, GroupedExperts
 from engine.memory import WeightFormat
 from engine.quant import (SYMMETRIC_OFFSET, Fp8Weight, Int4Weight, dequantize_fp8_weight, dequantize_int4,
                           quantize_fp8_weight, quantize_int4, unpack_int4)
+from engine.spec import DECODER_COMPONENTS
 
 CPU_INT4_INNER_K_TILES = 2
 CPU_INT4_ROW_MULTIPLE = 16     # torch's CPU int4 kernel packs output rows in blocks of 16
@@ -71,25 +73,42 @@ class Int4Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """W8A16: e4m3 weights with a scale per output channel, activations in the compute dtype.
+    """W8A16: e4m3 weights with a scale per output channel (or per 128 x 128 block, as DeepSeek ships them),
+    activations in the compute dtype.
 
-    On CUDA, decode steps run the Triton W8A16 kernel; otherwise the weight is widened for a float matmul.
+    On CUDA, decode steps of per-channel weights run the Triton W8A16 kernel; otherwise the weight is widened
+    for a float matmul.
     """
 
     def __init__(self, weight: Fp8Weight) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.values.shape
+        self.block_size = weight.block_size
         self.register_buffer("values", weight.values)
         self.register_buffer("scales", weight.scales)
 
+    @property
+    def weight_fp8(self) -> Fp8Weight:
+        return Fp8Weight(self.values, self.scales, self.block_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS:
+        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS and self.block_size is None:
             from kernels.fp8_matmul import w8a16_matmul
 
             out = w8a16_matmul(flat.contiguous(), self.values, self.scales.float())
             return out.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, dequantize_fp8_weight(Fp8Weight(self.values, self.scales), x.dtype))
+        return F.linear(x, dequantize_fp8_weight(self.weight_fp8, x.dtype))
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight as a float matrix, however it is stored: for code that multiplies by the
+    matrix itself (MLA's absorbed decode folds kv_b_proj into the queries)."""
+    if isinstance(linear, Int4Linear):
+        return dequantize_int4(linear.weight_int4, dtype)
+    if isinstance(linear, Fp8Linear):
+        return dequantize_fp8_weight(linear.weight_fp8, dtype)
+    return linear.weight.to(dtype)
 
 
 def fused_rows_limit(weights: str, device_type: str) -> int | None:
@@ -105,30 +124,101 @@ def fused_rows_limit(weights: str, device_type: str) -> int | None:
 
 def quantize_linear(linear: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:
     if linear.bias is not None:
-        raise ValueError("quantized layers here have no bias; Llama-family linears have none")
+        raise ValueError("quantized layers here have no bias; the families served have none")
     if fmt.dtype == "int4":
         return Int4Linear(quantize_int4(linear.weight.data, fmt, search))
     if fmt.dtype == "fp8":
-        return Fp8Linear(quantize_fp8_weight(linear.weight.data))
+        return Fp8Linear(quantize_fp8_weight(linear.weight.data, fmt.block_size))
     raise ValueError(f"{fmt.dtype!r} is not a quantized format")
 
 
-def quantize_linears(model: nn.Module, fmt: WeightFormat, search: bool = False) -> nn.Module:
-    """Replaces every nn.Linear of the decoder layers in place; returns the model. `search` turns on the
-    INT4 clipping search (see engine.quant.quantize_int4)."""
-    for module in list(model.modules()):
+class QuantizedExperts(GroupedExperts):
+    """A layer's routed experts, quantized and still stacked: each buffer [experts, ...] holds every expert's
+    packed values (and scales, minimums) of one projection. Each expert the step touches multiplies through a
+    quantized linear over views of its slice, so the kernels of `Int4Linear` / `Fp8Linear` serve experts too."""
+
+    def __init__(self, experts: Experts, fmt: WeightFormat, search: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        self.fmt = fmt
+        for name in ("gate_up_proj", "down_proj"):
+            parts = [quantize_linear_weight(matrix, fmt, search) for matrix in getattr(experts, name).data]
+            for field, tensors in _weight_fields(parts).items():
+                self.register_buffer(f"{name}_{field}", None if tensors is None else torch.stack(tensors))
+        self._linears: dict[tuple[int, str], nn.Module] = {}
+
+    def _linear(self, index: int, name: str) -> nn.Module:
+        key = (index, name)
+        if key not in self._linears:
+            if self.fmt.dtype == "int4":
+                minimums = getattr(self, f"{name}_minimums")
+                weight = Int4Weight(getattr(self, f"{name}_packed")[index], getattr(self, f"{name}_scales")[index],
+                                    None if minimums is None else minimums[index], self.fmt.group_size)
+                self._linears[key] = Int4Linear(weight)
+            else:
+                self._linears[key] = Fp8Linear(Fp8Weight(getattr(self, f"{name}_values")[index],
+                                                         getattr(self, f"{name}_scales")[index], self.fmt.block_size))
+        return self._linears[key]
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(index, "gate_up_proj")(x).split(self.intermediate_size, dim=-1)
+        return self._linear(index, "down_proj")(F.silu(gate) * up)
+
+
+def quantize_linear_weight(weight: torch.Tensor, fmt: WeightFormat, search: bool = False) -> Int4Weight | Fp8Weight:
+    if fmt.dtype == "int4":
+        return quantize_int4(weight, fmt, search)
+    if fmt.dtype == "fp8":
+        return quantize_fp8_weight(weight, fmt.block_size)
+    raise ValueError(f"{fmt.dtype!r} is not a quantized format")
+
+
+def _weight_fields(parts: list[Int4Weight] | list[Fp8Weight]) -> dict[str, list[torch.Tensor] | None]:
+    if isinstance(parts[0], Int4Weight):
+        return {"packed": [p.packed for p in parts], "scales": [p.scales for p in parts],
+                "minimums": None if parts[0].minimums is None else [p.minimums for p in parts]}
+    return {"values": [p.values for p in parts], "scales": [p.scales for p in parts]}
+
+
+def component_of(module_name: str) -> str:
+    """The planner's component a decoder module belongs to, from its name."""
+    if ".experts" in module_name and ".shared_experts" not in module_name:
+        return "routed_experts"
+    if ".shared_experts" in module_name:
+        return "shared_experts"
+    return "attention" if ".self_attn" in module_name else "dense_ffn"
+
+
+def quantize_model(model: nn.Module, scheme: dict[str, WeightFormat], search: bool = False) -> nn.Module:
+    """Quantizes each decoder component's linears (and stacked experts) in its format of `scheme`; components
+    the scheme leaves out, the router, the embeddings and the output head stay float. In place; returns the
+    model. `search` turns on the INT4 clipping search (see engine.quant.quantize_int4)."""
+    for module_name, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name != "lm_head":
+            fmt = scheme.get(component_of(f"{module_name}.{name}"))
+            if fmt is None or fmt.dtype not in ("int4", "fp8") or name == "lm_head":
+                continue
+            if isinstance(child, nn.Linear):
                 setattr(module, name, quantize_linear(child, fmt, search))
+            elif isinstance(child, Experts):
+                setattr(module, name, QuantizedExperts(child, fmt, search))
     return model
 
 
+def quantize_linears(model: nn.Module, fmt: WeightFormat, search: bool = False) -> nn.Module:
+    """Every decoder linear in one format."""
+    return quantize_model(model, dict.fromkeys(DECODER_COMPONENTS, fmt), search)
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's linear weights occupy as stored (packed values, scales, minimums)."""
+    """Bytes the decoder layers' matmul weights occupy as stored (packed values, scales, minimums; stacked
+    experts too); the output head is not counted."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, (Int4Linear, Fp8Linear)):
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Fp8Linear, QuantizedExperts)):
             total += sum(b.nbytes for b in module.buffers(recurse=False))
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, Experts):
+            total += sum(p.nbytes for p in module.parameters(recurse=False))
+        elif isinstance(module, nn.Linear) and not name.endswith("lm_head"):
             total += module.weight.nbytes
     return total

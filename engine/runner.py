@@ -7,13 +7,13 @@ from engine.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask,
 from engine.block_manager import BlockManager
 from engine.kv_cache import PagedKVCache
 from engine.memory import pages_for_tokens
-from engine.model import LlamaModel
+from engine.models.base import DecoderModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, block_manager: BlockManager,
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
                  seed: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache

@@ -6,6 +6,8 @@ Layouts shared with the kernels:
 - INT4 weights: packed [N, K // 2] uint8 (even k in the low nibble), scales and minimums [N, K // group],
   w[n, k] = q * scale + minimum.
 - FP8 weights: values [N, K] e4m3, scales [N] float32, w[n, k] = value * scale.
+- MLA latent pages: [num_pages, page_size, latent_dim + rope_dim], one row per token shared by all heads;
+  FP8 pages carry two scales per layer (latent, rope key).
 """
 from __future__ import annotations
 
@@ -37,6 +39,26 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
         out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values).to(q.dtype)
+    return out
+
+
+def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, latent_dim: int,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's absorbed decode. q: [batch, heads, latent_dim + rope_dim] (W_UKᵀ q_nope | q_rope); latent_pages:
+    [num_pages, page_size, latent_dim + rope_dim] rows shared by all heads; FP8 pages carry two scales (latent,
+    rope key). → [batch, heads, latent_dim]: the softmax-weighted sum of the latents, in q's dtype."""
+    batch, _, width = q.shape
+    page_size = latent_pages.shape[1]
+    row_scale = torch.ones(width) if scales is None else torch.cat(
+        [scales[0].float().cpu().expand(latent_dim), scales[1].float().cpu().expand(width - latent_dim)])
+    out = torch.empty(batch, q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+    for b in range(batch):
+        length = int(context_lens[b])
+        pages = block_tables[b, :(length + page_size - 1) // page_size].long()
+        rows = latent_pages[pages].float().flatten(0, 1)[:length] * row_scale.to(q.device)      # [L, width]
+        scores = q[b].float() @ rows.t() * scale                                              # [heads, L]
+        out[b] = (scores.softmax(dim=-1) @ rows[:, :latent_dim]).to(q.dtype)
     return out
 
 

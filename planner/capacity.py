@@ -16,13 +16,14 @@ from pathlib import Path
 
 from engine.config import SchedulerConfig
 from engine.profile_format import engine_version
+from engine.spec import ModelSpec
 
 from planner.calibration import Calibration, load_calibration
 from planner.errors import PlannerError
 from planner.hardware import HardwareSpec, get_hardware
 from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, MemoryPlan, Parallelism,
                                  plan_memory, weight_scheme)
-from planner.models import ModelSpec, get_model
+from planner.models import get_model
 from planner.simulator import Simulation, SimulationResult, model_step_time
 from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_time
 from planner.workload import Workload
@@ -161,6 +162,7 @@ class Capacity:
         """The `planner plan --json` object (../shared/DESIGN.md)."""
         return {
             "weights_bytes_per_gpu": self.plan.weights_bytes_per_gpu,
+            "weights_by_component_per_gpu": self.plan.weights_by_component,
             "kv_bytes_per_token_per_gpu": self.plan.kv_bytes_per_token_per_gpu,
             "kv_capacity_tokens": self.plan.kv_capacity_tokens,
             "max_context_tokens": self.plan.max_context_tokens,
@@ -179,7 +181,6 @@ class Capacity:
             **self.summary(),
             "max_context_reason": self.plan.max_context_reason,
             "memory_breakdown_per_gpu": self.plan.breakdown(),
-            "weights_by_component_per_gpu": self.plan.weights_by_component,
             "decode_step_s": self.decode_step_s,
             "gpu_hour_usd": self.gpu_hour_usd,
             "replicas": self.plan.parallel.replicas,

@@ -21,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.memory import GIB, WeightFormat, cache_bytes_per_token, ceil_div, weight_bytes
+from engine.memory import (GIB, WeightFormat, cache_bytes_per_token, ceil_div, component_weight_bytes,
+                           kv_bytes_per_token, kv_layout, weight_bytes)
+from engine.memory import weight_scheme as engine_weight_scheme
+from engine.spec import Linear, ModelSpec
 from planner.errors import PlannerError
 from planner.hardware import HardwareSpec
-from planner.models import Linear, ModelSpec
 
 WEIGHT_SCHEMES = ("bf16", "fp8", "int4", "native")
 KV_DTYPES = ("bf16", "fp8")
@@ -36,38 +38,17 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_BATCHED_TOKENS = 8192
 DEFAULT_MAX_SEQS = 256
 DEFAULT_CONTEXT = 8192
-# What each preset's checkpoint ships: component -> format (the rest stays bf16).
-NATIVE_SCHEMES: dict[str, dict[str, WeightFormat]] = {
-    "kimi-k2.6": {"routed_experts": WeightFormat("int4", 32, symmetric=True, scale_dtype="bf16")},
-    "deepseek-v3": {name: WeightFormat("fp8", block_size=128) for name in
-                    ("attention", "dense_ffn", "routed_experts", "shared_experts")},
-}
-LINEAR_COMPONENTS = ("attention", "dense_ffn", "routed_experts", "shared_experts")
 
 
 def weight_scheme(model: ModelSpec, weights: str, group_size: int = 128) -> dict[str, WeightFormat]:
-    """The format of each component's linear layers. The output head and embeddings stay bf16."""
+    """The format of each decoder component's linear layers (`engine.memory.weight_scheme`, bf16 scales).
+    The output head and embeddings stay bf16."""
     if weights not in WEIGHT_SCHEMES:
         raise PlannerError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_SCHEMES)})")
-    float_format = WeightFormat(FLOAT_DTYPE)
-    if weights == "native":
-        native = NATIVE_SCHEMES.get(model.name) or _scheme_from_quantization_config(model)
-        return {name: native.get(name, float_format) for name in LINEAR_COMPONENTS}
     try:
-        fmt = {"bf16": float_format, "fp8": WeightFormat("fp8"),
-               "int4": WeightFormat("int4", group_size, scale_dtype="bf16")}[weights]
+        return engine_weight_scheme(model, weights, group_size, scale_dtype=FLOAT_DTYPE)
     except ConfigError as error:
         raise PlannerError(str(error)) from None
-    return {name: fmt for name in LINEAR_COMPONENTS}
-
-
-def _scheme_from_quantization_config(model: ModelSpec) -> dict[str, WeightFormat]:
-    """A config.json's own `quantization_config`: block FP8 (DeepSeek style) is read; others mean bf16."""
-    quant = model.config.get("quantization_config") or model.config.get("text_config", {}).get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        block = quant.get("weight_block_size") or [None]
-        return {name: WeightFormat("fp8", block_size=block[0]) for name in LINEAR_COMPONENTS}
-    return {}
 
 
 @dataclass(frozen=True)
@@ -102,38 +83,25 @@ class Parallelism:
         return self.gpus if self.attention_data_parallel else self.dp
 
 
-def _shards(linear: Linear, component: str, model: ModelSpec, parallel: Parallelism) -> int:
-    if component == "routed_experts":
-        return parallel.gpus if parallel.expert_parallel else parallel.tp
-    tp = parallel.attention_tp if component == "attention" else parallel.tp
-    if linear.shard == "replicated":
-        return 1
-    if linear.shard == "kv_heads":
-        return min(tp, model.attention.num_kv_heads)
-    return tp
-
-
 def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
                             parallel: Parallelism) -> dict[str, int]:
     """Weight bytes each GPU holds, by component."""
-    result = {}
-    for name, part in model.components().items():
-        fmt = scheme.get(name, WeightFormat(FLOAT_DTYPE))
-        total = 0
-        for linear in part.linears:
-            try:
-                per_matrix = fmt.linear_bytes(linear.out_features, linear.in_features)
-            except ConfigError as error:
-                raise PlannerError(f"{model.name} {name}: {error}") from None
-            shards = _shards(linear, name, model, parallel)
-            if name == "routed_experts" and parallel.expert_parallel:
-                total += ceil_div(linear.count, shards) * per_matrix           # whole experts per GPU
-            else:
-                total += linear.count * ceil_div(per_matrix, shards)
-        other_shards = parallel.tp if name == "embeddings" else 1
-        total += ceil_div(weight_bytes(part.other_parameters, FLOAT_DTYPE), other_shards)
-        result[name] = total
-    return result
+    def split(component: str, linear: Linear | None) -> tuple[int, bool]:
+        if linear is None:
+            return (parallel.tp if component == "embeddings" else 1), False
+        if component == "routed_experts":
+            return (parallel.gpus, True) if parallel.expert_parallel else (parallel.tp, False)
+        tp = parallel.attention_tp if component == "attention" else parallel.tp
+        if linear.shard == "replicated":
+            return 1, False
+        if linear.shard == "kv_heads":
+            return min(tp, model.attention.num_kv_heads), False
+        return tp, False
+
+    try:
+        return component_weight_bytes(model, scheme, FLOAT_DTYPE, split)
+    except ConfigError as error:
+        raise PlannerError(f"{model.name}: {error}") from None
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism) -> int:
@@ -141,12 +109,7 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parall
     if kv_dtype not in KV_DTYPES:
         raise PlannerError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
     attention = model.attention
-    if attention.kind == "mla":
-        elements = attention.cache_elements_per_layer                      # replicated on every rank
-    else:
-        heads = ceil_div(attention.num_kv_heads, parallel.attention_tp)
-        elements = 2 * heads * attention.head_dim
-    per_token = cache_bytes_per_token(model.num_layers, elements, kv_dtype)
+    per_token = kv_bytes_per_token(kv_layout(model, kv_dtype, parallel.attention_tp))
     if attention.indexer_layers:
         per_token += cache_bytes_per_token(attention.indexer_layers, attention.indexer_head_dim, kv_dtype,
                                            scales_per_layer=1)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.memory import GIB, KVLayout, kv_pages_for_budget
+from engine.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.metrics import summarize
 from engine.profile_format import REGIMES, batch_shape
 from planner.calibration import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
@@ -59,8 +59,7 @@ def _metric(predicted: float | None, measured: float | None) -> dict[str, float 
 def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_size: int) -> int:
     """The planner's own arithmetic for the engine's pool: the model's KV layout over the budget."""
     spec = get_model(profile["fingerprint"]["model"])
-    layout = KVLayout(spec.num_layers, spec.attention.num_kv_heads, spec.attention.head_dim,
-                      profile["fingerprint"]["kv_dtype"])
+    layout = kv_layout(spec, profile["fingerprint"]["kv_dtype"])
     return kv_pages_for_budget(int(kv_cache_gib * GIB), layout, page_size) * page_size
 
 

@@ -42,6 +42,36 @@ def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, pag
                 k_scales=k_scales, v_scales=v_scales)
 
 
+def mla_case(batch: int, num_heads: int, latent_dim: int, rope_dim: int, page_size: int, page_dtype: torch.dtype,
+             q_dtype: torch.dtype, device: str, seed: int):
+    """Latent pages scattered over the pool, ragged lengths, a latent and a rope key of different ranges."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 5 * page_size, (batch,), generator=generator)
+    lengths[0] = page_size * 2
+    pages_per_seq = (lengths + page_size - 1) // page_size
+    num_pages = int(pages_per_seq.sum()) + 3
+    order = torch.randperm(num_pages, generator=generator)
+    tables = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
+    cursor = 0
+    for b, count in enumerate(pages_per_seq.tolist()):
+        tables[b, :count] = order[cursor:cursor + count].to(torch.int32)
+        cursor += count
+    rows = torch.cat([torch.randn(num_pages, page_size, latent_dim, generator=generator),
+                      torch.randn(num_pages, page_size, rope_dim, generator=generator) * 4], dim=-1)
+    scales = None
+    if page_dtype == torch.float8_e4m3fn:
+        scales = torch.stack([rows[..., :latent_dim].abs().amax(), rows[..., latent_dim:].abs().amax()]) / reference.FP8_MAX
+        row_scale = torch.cat([scales[0].expand(latent_dim), scales[1].expand(rope_dim)])
+        rows = (rows / row_scale).to(page_dtype)
+        scales = scales.to(device)
+    else:
+        rows = rows.to(page_dtype)
+    q = (torch.randn(batch, num_heads, latent_dim + rope_dim, generator=generator) * 0.3).to(q_dtype)
+    return dict(q=q.to(device), latent_pages=rows.to(device), block_tables=tables.to(device),
+                context_lens=lengths.to(device), scale=(latent_dim + rope_dim) ** -0.5, latent_dim=latent_dim,
+                scales=scales)
+
+
 def int4_case(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, device: str, seed: int):
     generator = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.int32).to(torch.uint8)

@@ -16,6 +16,7 @@ from engine.llm import LLM
 from engine.memory import KVLayout
 from engine.scheduler import ScheduledSequence
 from engine.sequence import FinishReason, SamplingParams, Sequence
+from campaign import assert_campaign_detects
 from conftest import run_cli
 
 TRIALS = 2
@@ -23,7 +24,7 @@ TRIALS = 2
 
 def tiny_pool(mode: str, kv_dtype: str = "fp32", num_pages: int = 8):
     manager = BlockManager(num_pages, page_size=4)
-    cache = PagedKVCache(KVLayout(2, 2, 8, kv_dtype), num_pages, 4, "cpu")
+    cache = PagedKVCache(KVLayout(2, kv_dtype, num_kv_heads=2, head_dim=8), num_pages, 4, "cpu")
     return manager, cache, IntegrityChecker(mode, manager, cache)
 
 
@@ -105,22 +106,6 @@ def workload(english_prompts):
 
 def campaign_engine(mode: str, kv_dtype: str | None = None) -> LLM:
     return LLM(model="smollm2-135m", device="cpu", page_size=8, num_pages=400, integrity=mode, kv_dtype=kv_dtype)
-
-
-def assert_campaign_detects(llm: LLM, workload, kinds, trials: int, seed: int) -> None:
-    prompts, params = workload
-    reference = [r.token_ids for r in llm.generate(prompts, params)]
-    rng = random.Random(seed)
-    for kind in kinds:
-        for trial in range(trials):
-            result = run_trial(llm, prompts, params, reference, kind, rng)
-            where = f"{kind} trial {trial} ({result.fault})"
-            assert result.fault is not None, where
-            assert result.detected, f"not detected: {where}"
-            assert result.victims_clean, f"a victim got a token after the fault: {where}"
-            assert result.harmed == 0, f"{result.harmed} other requests harmed: {where}"
-            assert result.leaked_pages == 0, f"{result.leaked_pages} pages leaked: {where}"
-    llm.block_manager.check_invariants()
 
 
 def test_ownership_mode_catches_every_bookkeeping_fault(workload):

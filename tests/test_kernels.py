@@ -7,11 +7,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import fp8_case, int4_case, ownership_case, paged_case, relative_error  # noqa: E402
+from kernel_cases import fp8_case, int4_case, mla_case, ownership_case, paged_case, relative_error  # noqa: E402
 from kernels import reference  # noqa: E402
 from kernels.fp8_matmul import w8a16_matmul  # noqa: E402
 from kernels.int4_matmul import w4a16_matmul  # noqa: E402
 from kernels.kv_write import kv_write  # noqa: E402
+from kernels.mla_decode import paged_mla_decode  # noqa: E402
 from kernels.ownership_check import ownership_check  # noqa: E402
 from kernels.paged_attention import paged_decode_attention  # noqa: E402
 
@@ -29,6 +30,28 @@ def test_paged_decode_attention(heads, head_dim, page_size, page_dtype, q_dtype)
     expected = reference.paged_decode_attention(**case)
     assert not torch.isnan(out).any()
     assert relative_error(out, expected) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("heads, latent_dim, rope_dim", [(4, 32, 8), (20, 64, 16), (3, 48, 24)])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                 (FP8, torch.float32)])
+def test_paged_mla_decode(heads, latent_dim, rope_dim, page_dtype, q_dtype):
+    """Head counts below, above and across the kernel's block of 16; latent and rope widths not powers of two."""
+    case = mla_case(3, heads, latent_dim, rope_dim, 16, page_dtype, q_dtype, DEVICE, seed=heads + latent_dim)
+    out = paged_mla_decode(**case)
+    expected = reference.paged_mla_decode(**case)
+    assert out.shape == (3, heads, latent_dim) and not torch.isnan(out).any()
+    assert relative_error(out, expected) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+def test_paged_mla_decode_refuses_bad_calls():
+    case = mla_case(2, 4, 32, 8, 16, torch.float32, torch.float32, DEVICE, seed=0)
+    with pytest.raises(ValueError, match="page size"):
+        paged_mla_decode(**{**case, "latent_pages": case["latent_pages"].reshape(-1, 8, 40)})
+    with pytest.raises(ValueError, match="two scales"):
+        paged_mla_decode(**{**case, "scales": torch.ones(2)})
+    with pytest.raises(ValueError, match="differ"):
+        paged_mla_decode(**{**case, "q": case["q"][..., :36]})
 
 
 @pytest.mark.parametrize("page_dtype", [torch.float32, torch.float16, FP8])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
+from engine.spec import spec_from_config
 from engine.errors import ConfigError, LoaderError, RequestError
 from engine.llm import LLM
 from engine.loader import load_model, resolve
@@ -23,8 +23,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_siz
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The engine's fused weights split back into Hugging Face names."""
-    config = model.config
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attention = model.config.attention
+    q, kv = attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim
     state = {}
     for name, tensor in model.state_dict().items():
         if "qkv_proj" in name:
@@ -57,7 +57,7 @@ def test_random_weights_from_config(tmp_path):
     loaded = load_model(str(path), "fp32", "cpu", seed=3)
     assert loaded.source.kind == "random" and loaded.tokenizer is None
     assert loaded.config.rope.rope_type == "llama3" and loaded.config.eos_token_ids == (1, 2)
-    assert sum(p.numel() for p in loaded.model.parameters()) == loaded.config.num_parameters
+    assert sum(p.numel() for p in loaded.model.parameters()) == loaded.config.total_parameters
     again = load_model(str(path), "fp32", "cpu", seed=3)
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.parameters(), again.model.parameters()))
     llm = LLM(model=str(path), num_pages=32, seed=3)
@@ -69,12 +69,12 @@ def test_random_weights_from_config(tmp_path):
 
 def test_llama3_rope_scaling_matches_transformers():
     transformers = pytest.importorskip("transformers")
-    from engine.model import rope_inverse_frequencies
+    from engine.layers.rotary import rope_inverse_frequencies
 
     hf_config = transformers.LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})
     init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"]
     expected, _ = init(hf_config, "cpu")
-    ours = rope_inverse_frequencies(16, ModelConfig.from_hf(TINY).rope)
+    ours = rope_inverse_frequencies(16, spec_from_config(TINY, "tiny").rope)
     torch.testing.assert_close(ours, expected.float())
 
 
@@ -90,6 +90,6 @@ def test_damaged_and_unknown_models(tmp_path, smollm_path):
     with pytest.raises(ConfigError, match="hidden_size"):
         load_model(str(broken))
     bad_rope = tmp_path / "rope.json"
-    bad_rope.write_text(json.dumps({**TINY, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(ConfigError, match="yarn"):
+    bad_rope.write_text(json.dumps({**TINY, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+    with pytest.raises(ConfigError, match="longrope"):
         load_model(str(bad_rope))

@@ -50,5 +50,5 @@ def test_parameter_count_matches_the_checkpoint(engine, smollm_path):
     from engine.loader import _read_gguf
 
     reader, _ = _read_gguf(smollm_path)
-    assert engine.model_config.num_parameters == sum(int(t.n_elements) for t in reader.tensors)
-    assert engine.model_config.num_parameters == sum(p.numel() for p in engine.model.parameters())
+    assert engine.model_config.total_parameters == sum(int(t.n_elements) for t in reader.tensors)
+    assert engine.model_config.total_parameters == sum(p.numel() for p in engine.model.parameters())

@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.memory import WeightFormat, model_weight_bytes
 from planner.capacity import Deployment, evaluate, kv_dtype_comparison, weight_dtype_comparison
 from planner.errors import PlannerError
 from planner.hardware import get_hardware, hardware_names
@@ -69,16 +67,20 @@ def test_every_preset_parses_and_components_add_up():
         assert model.is_moe == (parts["routed_experts"] > 0)
 
 
-def test_planner_agrees_with_the_engine_on_smollm2_bytes():
+def test_engine_info_and_the_planner_agree_on_smollm2_bytes_by_component():
+    """One description, one byte arithmetic: the engine's report of a scheme equals the planner's on one GPU."""
+    from engine.config import EngineConfig
+    from engine.loader import resolve, weight_bytes_report
+
     config = json.loads((CONFIGS / "smollm2-135m.json").read_text())
-    engine_model = ModelConfig.from_hf(config, "smollm2-135m")
     planner_model = spec_from_config(config, "smollm2-135m")
-    assert planner_model.total_parameters == engine_model.num_parameters
-    for fmt in (WeightFormat("bf16"), WeightFormat("fp8"), WeightFormat("int4", 64, scale_dtype="bf16")):
-        engine_bytes = model_weight_bytes(engine_model.linear_shapes(), engine_model.num_layers, 0, fmt, "bf16")
-        scheme = {name: fmt for name in ("attention", "dense_ffn")}
-        planner_bytes = component_bytes_per_gpu(planner_model, scheme, Parallelism(1))
-        assert planner_bytes["attention"] + planner_bytes["dense_ffn"] == engine_bytes
+    report = weight_bytes_report(resolve(str(CONFIGS / "smollm2-135m.json")), planner_model,
+                                 EngineConfig(weights="bf16", group_size=64))
+    for weights in ("bf16", "fp8", "int4"):
+        planner_bytes = component_bytes_per_gpu(planner_model, weight_scheme(planner_model, weights, 64), Parallelism(1))
+        assert report["weight_bytes_by_dtype"][weights]["total"] == sum(planner_bytes.values())
+    assert report["weight_bytes_by_component"] == component_bytes_per_gpu(
+        planner_model, weight_scheme(planner_model, "bf16"), Parallelism(1))
 
 
 def test_weight_bytes_by_hand():
@@ -182,7 +184,9 @@ def test_plan_json_has_the_documented_keys():
     payload = json.loads(result.stdout)
     assert set(payload) == {"weights_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_capacity_tokens",
                             "max_context_tokens", "max_concurrency", "decode_tokens_per_s", "prefill_tokens_per_s",
-                            "cost_per_million_tokens", "single_stream_decode_tokens_per_s", "fits", "note"}
+                            "cost_per_million_tokens", "single_stream_decode_tokens_per_s", "fits", "note",
+                            "weights_by_component_per_gpu"}
+    assert sum(payload["weights_by_component_per_gpu"].values()) == payload["weights_bytes_per_gpu"]
     assert payload["kv_bytes_per_token_per_gpu"] == 35_136 and payload["max_concurrency"] > 0
     assert payload["fits"] is True and 0 < payload["single_stream_decode_tokens_per_s"] < payload["decode_tokens_per_s"]
     cheaper = planner_cli("plan", "--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--weights",

@@ -103,17 +103,18 @@ def test_fp8_linear_matches_reference(rows):
 
 
 def test_swap_replaces_decoder_linears_and_bytes_match_the_memory_model():
-    from engine.config import ModelConfig
-    from engine.memory import model_weight_bytes
-    from engine.model import LlamaModel
+    from engine.memory import decoder_linear_bytes
+    from engine.models.llama import LlamaModel
+    from engine.spec import DECODER_COMPONENTS, spec_from_config
 
-    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    config = spec_from_config({"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 64, "tie_word_embeddings": True}, "tiny")
     for fmt in (WeightFormat("int4", 32), WeightFormat("int4", 64, symmetric=True), WeightFormat("fp8")):
         model = quantize_linears(LlamaModel(config), fmt)
         kinds = {type(m).__name__ for m in model.modules()}
         assert "Linear" not in kinds
-        assert linear_weight_bytes(model) == model_weight_bytes(config.linear_shapes(), 2, 0, fmt, "fp32")
+        assert linear_weight_bytes(model) == decoder_linear_bytes(config, dict.fromkeys(DECODER_COMPONENTS, fmt), "fp32")
 
 
 def test_fp8_on_a_torch_without_it_is_a_clear_error(monkeypatch):

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import fp8_case, int4_case, ownership_case, paged_case, relative_error
+from kernel_cases import fp8_case, int4_case, mla_case, ownership_case, paged_case, relative_error
 from kernels import reference
 from kernels.fp8_matmul import w8a16_matmul
 from kernels.int4_matmul import w4a16_matmul
 from kernels.kv_write import kv_write
+from kernels.mla_decode import paged_mla_decode
 from kernels.ownership_check import ownership_check
 from kernels.paged_attention import paged_decode_attention
 
@@ -26,6 +27,17 @@ def test_paged_decode_attention_cuda(heads, head_dim, page_size, page_dtype, q_d
     out = paged_decode_attention(**case)
     assert not torch.isnan(out).any()
     assert relative_error(out, reference.paged_decode_attention(**case)) < TOLERANCE[q_dtype]
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128, 20])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.bfloat16, torch.bfloat16), (FP8, torch.bfloat16),
+                                                 (torch.float32, torch.float32)])
+def test_paged_mla_decode_cuda(heads, page_dtype, q_dtype):
+    """DeepSeek-V3 / Kimi K2.6 widths: a 512 latent and a 64 rope key per token, shared by every head."""
+    case = mla_case(9, heads, 512, 64, 16, page_dtype, q_dtype, DEVICE, seed=heads)
+    out = paged_mla_decode(**case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.paged_mla_decode(**case)) < TOLERANCE[q_dtype]
 
 
 @pytest.mark.parametrize("page_dtype", [torch.bfloat16, FP8])

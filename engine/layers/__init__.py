@@ -1,0 +1,1 @@
+"""Building blocks the model families are assembled from: norms, rotary embeddings, attention, MoE."""

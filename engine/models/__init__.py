@@ -1,0 +1,22 @@
+"""One module per model family, each assembled from `engine.layers`; `build` picks by the spec's family."""
+from __future__ import annotations
+
+from torch import nn
+
+from engine.errors import ConfigError
+from engine.spec import ModelSpec
+
+ENGINE_FAMILIES = ("llama", "deepseek_v3")
+
+
+def model_class(spec: ModelSpec) -> type[nn.Module]:
+    if spec.family == "llama":
+        from engine.models.llama import LlamaModel
+
+        return LlamaModel
+    if spec.family == "deepseek_v3":
+        from engine.models.deepseek_v3 import DeepseekV3Model
+
+        return DeepseekV3Model
+    raise ConfigError(f"the engine does not run the {spec.family!r} architecture of {spec.name!r} "
+                      f"(it runs {', '.join(ENGINE_FAMILIES)}; the planner plans the others)")

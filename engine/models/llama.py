@@ -1,0 +1,63 @@
+"""The Llama-family decoder (grouped-query attention, SwiGLU) over the paged KV pool.
+
+Q/K/V and gate/up projections are fused into one matrix each (fewer, larger matmuls); the loader
+concatenates checkpoint tensors into them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.kv_cache import PagedKVCache
+from engine.layers.mlp import SwiGLU
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import apply_rotary
+from engine.models.base import DecoderModel
+from engine.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelSpec, layer: int) -> None:
+        super().__init__()
+        attention = config.attention
+        self.layer = layer
+        self.num_heads = attention.num_heads
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+        self.q_size = attention.num_heads * attention.head_dim
+        self.kv_size = attention.num_kv_heads * attention.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = attention.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        kv_cache.write(self.layer, meta.slot_mapping, k, v)
+        attended = paged_attention(q, kv_cache, self.layer, meta, self.scale)
+        return self.o_proj(attended.reshape(tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.ffn.dense_intermediate)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(DecoderModel):
+    def __init__(self, config: ModelSpec) -> None:
+        super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_layers)])

@@ -1,0 +1,108 @@
+"""Paged MLA decode in Triton, absorbed form: every head attends over the same latent rows.
+
+A cache row is [latent (kv_lora_rank) | rope key (qk_rope_head_dim)]; a head's query is [W_UKᵀ q_nope |
+q_rope] of the same width, and the output is the softmax-weighted sum of the latents (W_UV is applied
+after). One program per (sequence, block of heads) walks the sequence's pages with an online softmax:
+the page is read once for all the heads of the block, which is what makes MLA decode cheap (one row of
+576 elements per token for 64 or 128 heads). FP8 pages are dequantized on load with the layer's two
+scales (latent, rope key), so no dequantized copy of the cache is written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_tensor, next_power_of_2
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
+MIN_DOT = 16                # tl.dot needs every dimension >= 16
+BLOCK_HEADS = 16
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, scales_ptr, scale,
+                       stride_qb, stride_qh, stride_page, stride_slot, stride_tb, stride_ob, stride_oh,
+                       NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LATENT: tl.constexpr,
+                       BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    s = tl.arange(0, PAGE_SIZE)
+    h_ok = heads < NUM_HEADS
+    r_ok = r < LATENT
+    p_ok = p < ROPE
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    q_latent = tl.load(q_rows + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_rope = tl.load(q_rows + LATENT + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    if FP8:
+        latent_scale = tl.load(scales_ptr)
+        rope_scale = tl.load(scales_ptr + 1)
+    else:
+        latent_scale = 1.0
+        rope_scale = 1.0
+    length = tl.load(lens_ptr + seq)
+    running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for index in range(0, tl.cdiv(length, PAGE_SIZE)):
+        page = tl.load(tables_ptr + seq * stride_tb + index).to(tl.int64)
+        s_ok = index * PAGE_SIZE + s < length
+        rows = pages_ptr + page * stride_page + s[:, None] * stride_slot
+        latent = tl.load(rows + r[None, :], mask=s_ok[:, None] & r_ok[None, :], other=0.0)
+        rope = tl.load(rows + LATENT + p[None, :], mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+        latent = (latent.to(tl.float32) * latent_scale).to(q_latent.dtype)
+        rope = (rope.to(tl.float32) * rope_scale).to(q_rope.dtype)
+        scores = (tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
+                  + tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION))                   # [H, PAGE]
+        scores = tl.where(s_ok[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & r_ok[None, :])
+
+
+def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, latent_dim: int,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.reference.paged_mla_decode`; every context length must be >= 1 and the
+    page size a power of two of at least 16."""
+    device = q.device
+    check_tensor("q", q, 3, FLOAT_DTYPES, device)
+    check_tensor("latent_pages", latent_pages, 3, PAGE_DTYPES, device)
+    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), device)
+    check_tensor("context_lens", context_lens, 1, (torch.int32, torch.int64), device)
+    batch, num_heads, width = q.shape
+    _, page_size, row_width = latent_pages.shape
+    check(row_width == width, f"query width ({width}) and cache rows ({row_width}) differ")
+    check(0 < latent_dim < width, f"latent_dim must be in 1..{width - 1}, got {latent_dim}")
+    check(page_size >= MIN_DOT and page_size & (page_size - 1) == 0,
+          f"page size must be a power of two of at least {MIN_DOT}, got {page_size}")
+    check(block_tables.shape[0] == batch and context_lens.shape[0] == batch,
+          f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must cover "
+          f"the batch of {batch}")
+    fp8 = latent_pages.dtype == torch.float8_e4m3fn
+    check(fp8 == (scales is not None), "FP8 pages need their two scales (latent, rope key); float pages take none")
+    if fp8:
+        check_tensor("scales", scales, 1, (torch.float32,), device)
+        check(scales.shape[0] == 2, f"scales needs 2 entries (latent, rope key), got {scales.shape[0]}")
+    rope_dim = width - latent_dim
+    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=device)
+    grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
+    _mla_decode_kernel[grid](
+        q, latent_pages, block_tables, context_lens, out, scales if fp8 else out, scale,
+        q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, BLOCK_H=BLOCK_HEADS, LATENT=latent_dim,
+        BLOCK_R=max(MIN_DOT, next_power_of_2(latent_dim)), ROPE=rope_dim,
+        BLOCK_P=max(MIN_DOT, next_power_of_2(rope_dim)), PAGE_SIZE=page_size, FP8=fp8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")      # fp32 queries keep full precision
+    return out
