@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 PROBE_EVERY_STEPS = 3       # one reference step is timed after every this many served steps
 PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops them up after it)
+SHAPE_MIN_TIMINGS = 6       # a probe's own drift, beside the machine's, needs this many timings: one is +-6%
 TIMING_METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
 
 
@@ -178,7 +179,8 @@ class DriftProbes:
         (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the whole run
         would pass that minute's error on to the rest. And the drift is not one factor for every shape: in one
         run the prefill probe ran 20% slower than profiled, the single-sequence decode 11%, the decode of 10
-        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast."""
+        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast. A probe timed
+        fewer than `SHAPE_MIN_TIMINGS` times (a short run) gives no shape factor: its median would be noise."""
         if not self.timeline:
             return [1.0] * len(shapes)
         at = np.array([step for step, _, _ in self.timeline], dtype=float)
@@ -190,7 +192,8 @@ class DriftProbes:
             return float(np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]))
 
         relative = ratios / np.array([around(step) for step in at])
-        shape_factor = {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())}
+        shape_factor = {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())
+                        if int((probes == index).sum()) >= SHAPE_MIN_TIMINGS}
         return [around(step + 0.5) * shape_factor.get(self.probe_like(kind, decodes), 1.0)
                 for step, (kind, decodes) in enumerate(shapes)]
 

@@ -95,3 +95,5 @@ def test_drift_of_each_step_follows_the_probe_most_like_it():
     assert probes.probe_like("mixed", 3) is None
     speeds = probes.local_speeds([("prefill", 0), ("decode", 3), ("decode", 24), ("mixed", 4)])
     assert np.allclose(speeds, [1.1, 1.1, 0.9, 1.1])
+    probes.timeline = probes.timeline[:15]          # five timings of each probe: too few for a shape factor
+    assert np.allclose(probes.local_speeds([("prefill", 0), ("decode", 24)]), [1.1, 1.1])
