@@ -352,14 +352,32 @@ def _copy_checked(destination: torch.Tensor, source: torch.Tensor, name: str) ->
     destination.copy_(source)
 
 
-def _fill_random(model: nn.Module, seed: int) -> None:
-    """Seeded normal weights: enough for timing an architecture whose weights are not here."""
-    for index, (name, param) in enumerate(model.named_parameters()):
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        else:
-            generator = torch.Generator(device=param.device).manual_seed(seed * 100_003 + index)
-            param.data.normal_(0.0, RANDOM_INIT_STD, generator=generator)
+def _random_value(param: torch.Tensor, name: str, seed: int, index: int) -> None:
+    """Seeded normal weights (norms at one): enough for timing an architecture whose weights are not here."""
+    if name.endswith("norm.weight"):
+        param.data.fill_(1.0)
+    else:
+        generator = torch.Generator(device=param.device).manual_seed(seed * 100_003 + index)
+        param.data.normal_(0.0, RANDOM_INIT_STD, generator=generator)
+
+
+def _random_model(config: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int,
+                  scheme: dict[str, WeightFormat]) -> nn.Module:
+    """Random weights made one layer at a time, each quantized before the next exists: a big config's float
+    weights are never all in memory (Kimi K2.6's 384 experts are 34 GB a layer in BF16, 9.5 GB in INT4)."""
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model = model.to(dtype)
+    index_of = {name: index for index, (name, _) in enumerate(model.named_parameters())}
+    parts = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    parts += [(name, child) for name, child in model.named_children() if name not in ("layers", "rotary")]
+    for prefix, part in parts:
+        part.to_empty(device=device)
+        for name, param in part.named_parameters():
+            _random_value(param, name, seed, index_of[f"{prefix}.{name}"])
+        quantize_model(part, scheme)
+    model.rotary = model.rotary_embedding(config).to(device)
+    return model
 
 
 def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
@@ -371,17 +389,17 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     source = resolve(name)
     config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
     scheme = weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
+    if source.kind == "random":
+        model = _random_model(config, TORCH_DTYPES[dtype], torch.device(device), seed, scheme)
+        return LoadedModel(model.eval(), config, None, source)
     model = _empty_model(config, TORCH_DTYPES[dtype], torch.device(device))
-    tokenizer = None
     if source.kind == "gguf":
         reader, fields = _read_gguf(source.path)
         tokenizer = Tokenizer.from_gguf_fields(fields)
         _fill_from_hf_tensors(model, _gguf_tensors(reader, config, native=engine.weights == "native"))
-    elif source.kind == "hf":
+    else:
         tokenizer = Tokenizer.from_hf_folder(source.path)
         _fill_from_hf_tensors(model, _safetensors_tensors(source.path))
-    else:
-        _fill_random(model, seed)
     if not (source.kind == "gguf" and engine.weights == "native"):          # GGUF's Q4_1 went in as it is
         quantize_model(model, scheme)
     return LoadedModel(model.eval(), config, tokenizer, source)

@@ -36,10 +36,23 @@ def new_tokens(batch: dict[str, int]) -> int:
     return batch["num_decodes"] + batch["prefill_tokens"]
 
 
+def expected_experts_touched(num_experts: int, experts_per_token: int, num_tokens: int) -> float:
+    """Distinct experts that `num_tokens` tokens route to in one MoE layer, in expectation under uniform
+    routing: each expert is missed by a token with probability 1 - k / E."""
+    if not num_experts or num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** num_tokens)
+
+
 def bytes_moved(model: dict[str, Any], batch: dict[str, int]) -> int:
-    """Weights once, cached KV read, new KV written: the least a step must move."""
+    """Weights once (of a MoE model's routed experts, those the step's tokens touch in expectation), cached
+    KV read, new KV written: the least a step must move."""
     kv_tokens = batch["decode_context_tokens"] + batch["prefill_context_tokens"] + new_tokens(batch)
-    return model["linear_weight_bytes"] + model["head_weight_bytes"] + model["kv_bytes_per_token"] * kv_tokens
+    layers, experts = model.get("num_moe_layers", 0), model.get("num_experts", 0)
+    untouched = layers * (experts - expected_experts_touched(experts, model.get("experts_per_token", 0),
+                                                             new_tokens(batch)))
+    weights = model["linear_weight_bytes"] - untouched * model.get("expert_weight_bytes", 0)
+    return round(weights + model["head_weight_bytes"] + model["kv_bytes_per_token"] * kv_tokens)
 
 
 def engine_version() -> str:

@@ -34,6 +34,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
+from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
 from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version, new_tokens
@@ -163,6 +164,8 @@ def fingerprint(llm: LLM) -> dict[str, Any]:
         "triton": triton_version,
         "model": model_name(llm.config.model),
         "model_source": llm.config.model,
+        "num_layers": llm.config.num_layers,          # where a config too big for the machine was cut
+        "num_experts": llm.config.num_experts,
         "weights": llm.config.weights,
         "group_size": llm.config.group_size if llm.config.weights == "int4" else None,
         "kv_dtype": llm.kv_layout.dtype,
@@ -190,9 +193,35 @@ def model_section(llm: LLM) -> dict[str, Any]:
         # a step of more rows than this widens every quantized weight: written, then read by the matmul
         "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
         "dequantized_weight_bytes": 2 * config.decoder_linear_parameters * head.element_size(),
+        **_cost_fields(llm),
         # the pure-torch decode attention reads every decode's pages padded to the batch's longest
         "decode_padding_page": None if use_triton(head) else llm.config.page_size,
     }
+
+
+def routed_experts(model: torch.nn.Module) -> list[GroupedExperts]:
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+
+
+def _cost_fields(llm: LLM) -> dict[str, Any]:
+    """What a step of this architecture computes and reads beyond a dense model's shape: FLOPs per token and
+    per attention pair (MLA decodes in the latent space, prefills expanded, and re-expands a chunk's context),
+    and for MoE the bytes of one routed expert as allocated, which the step reads only for the experts its
+    tokens touch."""
+    config, attention = llm.model_config, llm.model_config.attention
+    fields = {"family": config.family, "attention_kind": attention.kind,
+              "linear_flops_per_token": config.linear_flops_per_token,
+              "attention_flops_per_pair": config.num_layers * attention.flops_per_pair(),
+              "prefill_attention_flops_per_pair": config.num_layers * attention.prefill_flops_per_pair(),
+              "prefill_context_flops_per_token": config.num_layers * attention.expansion_flops_per_token()}
+    experts = routed_experts(llm.model)
+    if experts:
+        ffn = config.ffn
+        allocated = sum(t.nbytes for module in experts for t in [*module.parameters(), *module.buffers()])
+        fields |= {"num_moe_layers": ffn.moe_layers, "num_experts": ffn.num_experts,
+                   "experts_per_token": ffn.experts_per_token,
+                   "expert_weight_bytes": allocated / (ffn.moe_layers * ffn.num_experts)}
+    return fields
 
 
 class Profiler:
@@ -455,9 +484,10 @@ class Profiler:
             bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
                       file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout
         bar.close()
-        self.linears = self.measure_linears(max(new_tokens(s["batch"]) for s in self.samples),
-                                            max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"]
-                                                for s in self.samples))
+        # a MoE model's linears are not timed apart: which experts run depends on the tokens' routing
+        self.linears = None if routed_experts(self.llm.model) else self.measure_linears(
+            max(new_tokens(s["batch"]) for s in self.samples),
+            max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"] for s in self.samples))
         points = self.prefill_points()
         self.activation_peak_bytes = self.measure_activation_peak(max(points)) if points else None
         return self.document()

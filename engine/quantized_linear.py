@@ -181,12 +181,13 @@ def _weight_fields(parts: list[Int4Weight] | list[Fp8Weight]) -> dict[str, list[
 
 
 def component_of(module_name: str) -> str:
-    """The planner's component a decoder module belongs to, from its name."""
-    if ".experts" in module_name and ".shared_experts" not in module_name:
+    """The planner's component a decoder module belongs to, from its (full or layer-relative) name."""
+    parts = module_name.split(".")
+    if "experts" in parts:
         return "routed_experts"
-    if ".shared_experts" in module_name:
+    if "shared_experts" in parts:
         return "shared_experts"
-    return "attention" if ".self_attn" in module_name else "dense_ffn"
+    return "attention" if "self_attn" in parts else "dense_ffn"
 
 
 def quantize_model(model: nn.Module, scheme: dict[str, WeightFormat], search: bool = False) -> nn.Module:
@@ -195,7 +196,7 @@ def quantize_model(model: nn.Module, scheme: dict[str, WeightFormat], search: bo
     model. `search` turns on the INT4 clipping search (see engine.quant.quantize_int4)."""
     for module_name, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
-            fmt = scheme.get(component_of(f"{module_name}.{name}"))
+            fmt = scheme.get(component_of(f"{module_name}.{name}" if module_name else name))
             if fmt is None or fmt.dtype not in ("int4", "fp8") or name == "lm_head":
                 continue
             if isinstance(child, nn.Linear):

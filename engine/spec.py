@@ -174,11 +174,25 @@ class Attention:
                 Linear(self.indexer_heads, hidden, 1, "replicated")]
 
     def flops_per_pair(self) -> float:
-        """Per (query, cached token) pair in one layer: QK over the key dim, PV over the value dim.
+        """Per (query, cached token) pair of a decode in one layer: QK over the key dim, PV over the value dim.
         MLA decodes in the latent space (absorbed): both products run over the latent."""
         if self.kind == "mla":
             return 2.0 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
         return 2.0 * self.num_heads * (self.head_dim + self.v_head_dim)
+
+    def prefill_flops_per_pair(self) -> float:
+        """Per (query, cached token) pair of a prefill in one layer: MLA prefills in the expanded form, per-head
+        keys of nope + rope dims and values of v dims."""
+        if self.kind == "mla":
+            return 2.0 * self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return self.flops_per_pair()
+
+    def expansion_flops_per_token(self) -> float:
+        """MLA's prefill up-projects every latent of a chunk's context to per-head K and V (kv_b_proj) in each
+        layer, not only the new tokens' (whose share is in the linear FLOPs): these FLOPs per context token."""
+        if self.kind == "mla":
+            return 2.0 * self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return 0.0
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,15 @@ from planner.step_model import BatchShape, MeasuredLinears, ModelCosts, Peaks, S
 CALIBRATION_VERSION = 1
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
-LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3, 0.0)
-UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0, 0.1)
-X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1e-3)
+LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3, 0.0, 0.0)
+UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0, 0.1, 0.05)
+X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1e-3, 1e-4)
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
-           "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills"}
+           "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
+           "expert_overhead_s": "expert_calls"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -59,12 +60,19 @@ def samples_hash(profile: dict[str, Any]) -> str:
 
 
 def profile_costs(model: dict[str, Any]) -> ModelCosts:
-    """The step costs of the profiled (dense Llama-family) model."""
+    """The step costs of the profiled model, from the bytes its engine allocated. Profiles of dense
+    Llama-family models made before MLA and MoE came lack the cost fields: theirs follow from the shape."""
     layers, heads, head_dim = model["num_layers"], model["num_heads"], model["head_dim"]
+    experts = model.get("num_experts", 0) * model.get("num_moe_layers", 0)
+    expert_bytes = model.get("expert_weight_bytes", 0)
     return ModelCosts(
-        dense_weight_bytes=model["linear_weight_bytes"] + model["head_weight_bytes"],
-        linear_flops_per_token=2.0 * model["num_linear_parameters"],
-        attention_flops_per_pair=4.0 * layers * heads * head_dim,
+        dense_weight_bytes=model["linear_weight_bytes"] - experts * expert_bytes + model["head_weight_bytes"],
+        linear_flops_per_token=model.get("linear_flops_per_token", 2.0 * model["num_linear_parameters"]),
+        attention_flops_per_pair=model.get("attention_flops_per_pair", 4.0 * layers * heads * head_dim),
+        prefill_attention_flops_per_pair=model.get("prefill_attention_flops_per_pair"),
+        prefill_context_flops_per_token=model.get("prefill_context_flops_per_token", 0.0),
+        expert_weight_bytes=expert_bytes, num_moe_layers=model.get("num_moe_layers", 0),
+        num_experts=model.get("num_experts", 0), experts_per_token=model.get("experts_per_token", 0),
         kv_bytes_per_token=model["kv_bytes_per_token"],
         head_flops_per_sequence=2.0 * model["vocab_size"] * model["hidden_size"],
         fused_max_tokens=model.get("fused_max_tokens"),
@@ -96,6 +104,7 @@ class Points:
     num_seqs: np.ndarray
     num_prefills: np.ndarray
     measured_linear_s: np.ndarray
+    expert_calls: np.ndarray
     seconds: np.ndarray
 
     @classmethod
@@ -111,6 +120,7 @@ class Points:
                    np.array([t.num_seqs for t in terms], dtype=float),
                    np.array([t.num_prefills for t in terms], dtype=float),
                    np.array([t.measured_linear_s for t in terms], dtype=float),
+                   np.array([t.expert_calls for t in terms], dtype=float),
                    np.array([sample["median_s"] for sample in samples], dtype=float))
 
     def subset(self, mask: np.ndarray) -> Points:
@@ -126,7 +136,7 @@ def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
                + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = np.maximum(memory, compute), np.minimum(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * points.num_seqs
-            + params.chunk_overhead_s * points.num_prefills
+            + params.chunk_overhead_s * points.num_prefills + params.expert_overhead_s * points.expert_calls
             + params.linear_scale * points.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 
@@ -148,7 +158,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
 
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
-        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0, 1e-3])[free]
+        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0, 1e-3, 1e-4])[free]
         result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
                                loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
         if best is None or result.cost < best.cost:

@@ -7,8 +7,12 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
              quantized weight is widened for a big step, the widened copy written and read too)
            + every sequence's cached KV read by attention + the new tokens' KV written
              (this engine's CPU decode attention pads each decode to the batch's longest context)
-    flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs)
-           + the output head for each sequence's sampled row
+    flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs; MLA's decode
+             pairs in the latent space, its prefill pairs expanded per head, and its prefill re-expands the
+             latents of a chunk's whole context) + the output head for each sequence's sampled row
+
+A MoE step runs each routed expert its tokens touch (expected distinct experts for B tokens and top-k):
+it reads those experts' weights, and each costs a fixed `expert_overhead` (gather, launch, scatter).
 
     t_memory  = weight bytes / (bandwidth_efficiency × peak bandwidth)    [one-row steps: gemv_efficiency]
               + widened weight bytes / (dequant_efficiency × peak bandwidth)
@@ -16,7 +20,7 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
     t_compute = linear flops / (compute_efficiency × peak FLOP/s)
               + attention flops / (attention_efficiency × peak FLOP/s)
     t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
-                + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
+                + expert_overhead × experts run + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
 A step of one new token multiplies by vectors, not matrices: BLAS and GPU libraries run other kernels
 for it (GEMV), which stream the weights at their own rate. Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
@@ -47,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from engine.memory import ceil_div
+from engine.profile_format import expected_experts_touched
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class ModelCosts:
 
     dense_weight_bytes: float           # read every step whatever the batch: attention, dense FFN, shared experts, head
     linear_flops_per_token: float       # 2 × active linear parameters of the decoder layers
-    attention_flops_per_pair: float     # per (new token, cached token) pair: QK and PV over all layers and heads
+    attention_flops_per_pair: float     # per (decode token, cached token) pair: QK and PV over all layers and heads
     kv_bytes_per_token: float
     head_flops_per_sequence: float = 0.0   # 2 × vocab × hidden: logits only for the row each sequence samples
     expert_weight_bytes: float = 0.0    # what this GPU holds of one routed expert in one layer
@@ -68,6 +73,10 @@ class ModelCosts:
     # The engine's pure-torch decode attention (CPU) pads every decode's pages to the batch's longest and
     # reads them all; paged kernels (Triton on CUDA, vLLM's) read only each sequence's own tokens (None).
     decode_padding_page: int | None = None
+    # MLA prefills in the expanded form (per-head K and V): its pairs cost other FLOPs than a decode's (None:
+    # the same), and every cached latent of a chunk's context is up-projected again (per context token)
+    prefill_attention_flops_per_pair: float | None = None
+    prefill_context_flops_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -76,13 +85,18 @@ class ModelCosts:
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"experts_per_token must be in 1..{self.num_experts}, got {self.experts_per_token}")
 
-    def weight_bytes_read(self, num_tokens: int) -> float:
-        """Dense weights, plus the routed experts that `num_tokens` tokens touch in expectation (uniform routing)."""
-        if not self.num_experts or num_tokens <= 0:
-            return self.dense_weight_bytes
-        untouched = (1.0 - self.experts_per_token / self.num_experts) ** num_tokens
+    def experts_touched(self, num_tokens: int) -> float:
+        """Routed experts (of those this GPU holds) that `num_tokens` tokens touch in expectation over all MoE
+        layers, under uniform routing: each expert is missed by a token with probability 1 - k / E."""
+        if not self.num_experts:
+            return 0.0
         local = self.num_experts if self.local_experts is None else self.local_experts
-        return self.dense_weight_bytes + self.num_moe_layers * local * (1.0 - untouched) * self.expert_weight_bytes
+        share = expected_experts_touched(self.num_experts, self.experts_per_token, num_tokens) / self.num_experts
+        return self.num_moe_layers * local * share
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Dense weights, plus the routed experts that `num_tokens` tokens touch in expectation."""
+        return self.dense_weight_bytes + self.experts_touched(num_tokens) * self.expert_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -133,6 +147,7 @@ class StepParameters:
     overlap: float = 1.0
     linear_scale: float = 1.0       # measured linears inside the step against timed alone (cache, threads)
     chunk_overhead_s: float = 0.0   # per prefill chunk: its own attention call in every layer, its mask, its pages
+    expert_overhead_s: float = 0.0  # per routed expert run in a MoE layer: its gather, launch and scatter
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -213,6 +228,7 @@ class StepTerms:
     num_seqs: int
     num_prefills: int = 0
     measured_linear_s: float = 0.0      # with MeasuredLinears: the linears' time, in place of their bytes and FLOPs
+    expert_calls: float = 0.0           # routed experts run, over all MoE layers (expected)
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -228,17 +244,22 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     decode_read = decode_tokens_read(costs, batch)
     kv_read = costs.kv_bytes_per_token * (decode_read + batch.prefill_context_tokens)
     kv_written = costs.kv_bytes_per_token * batch.new_tokens
-    attention = costs.attention_flops_per_pair * (decode_read + batch.prefill_pairs)
+    prefill_pair = (costs.attention_flops_per_pair if costs.prefill_attention_flops_per_pair is None
+                    else costs.prefill_attention_flops_per_pair)
+    attention = costs.attention_flops_per_pair * decode_read + prefill_pair * batch.prefill_pairs
+    expansion = costs.prefill_context_flops_per_token * (batch.prefill_context_tokens - batch.prefill_tokens)
+    experts = costs.experts_touched(batch.new_tokens)
     if linears is not None:
-        return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, 0.0, attention, batch.num_seqs,
-                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs))
-    linear = costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
+        return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
+                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts)
+    linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
+              + expansion)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
     weights = costs.weight_bytes_read(batch.new_tokens)
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, batch.num_prefills)
+                     batch.num_seqs, batch.num_prefills, 0.0, experts)
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
@@ -249,7 +270,7 @@ def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     longer, shorter = max(memory, compute), min(memory, compute)
     return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
-            + params.chunk_overhead_s * terms.num_prefills
+            + params.chunk_overhead_s * terms.num_prefills + params.expert_overhead_s * terms.expert_calls
             + params.linear_scale * terms.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
 
 

@@ -59,8 +59,9 @@ def _metric(predicted: float | None, measured: float | None) -> dict[str, float 
 
 def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_size: int) -> int:
     """The planner's own arithmetic for the engine's pool: the model's KV layout over the budget."""
-    spec = get_model(profile["fingerprint"]["model"])
-    layout = kv_layout(spec, profile["fingerprint"]["kv_dtype"])
+    fingerprint = profile["fingerprint"]
+    spec = get_model(fingerprint["model"]).truncated(fingerprint.get("num_layers"), fingerprint.get("num_experts"))
+    layout = kv_layout(spec, fingerprint["kv_dtype"])
     return kv_pages_for_budget(int(kv_cache_gib * GIB), layout, page_size) * page_size
 
 
@@ -87,7 +88,8 @@ def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any
     settings = {"model": fingerprint["model_source"], "weights": fingerprint["weights"],
                 "kv_dtype": fingerprint["kv_dtype"], "group_size": fingerprint.get("group_size") or 128,
                 "device": "cpu", "page_size": fingerprint["page_size"], "kv_cache_gib": kv_cache_gib,
-                "integrity": fingerprint.get("integrity", "ownership"), "num_threads": fingerprint.get("threads")}
+                "integrity": fingerprint.get("integrity", "ownership"), "num_threads": fingerprint.get("threads"),
+                "num_layers": fingerprint.get("num_layers"), "num_experts": fingerprint.get("num_experts")}
     return LLM(**{**settings, **overrides})
 
 

@@ -3,7 +3,9 @@
 #   1. the CUDA tests (tests/gpu): every Triton kernel against its torch oracle, the engine on CUDA;
 #   2. kernel microbenchmarks (bench/quant.py --kernels): W4A16 and FP8 attention in GB/s;
 #   3. engine profiles: SmolLM2-135M's shape and a Llama-3.1-8B-shaped model cut to 4 layers (the
-#      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4.
+#      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4;
+#      Kimi K2.6 at full width (7168 hidden, 384 experts, INT4 experts as it ships) cut to the 12 layers that
+#      fit one H200 (about 9.8 GB a MoE layer, 4.7 GB of embeddings and head).
 # Results go under $OUT when it is set (the lent-GPU tool), else bench/results/ and planner/profiles/.
 # Usage: scripts/gpu_check.sh            (PY=python3 by default; .whl/ wheels are installed if present)
 set -uo pipefail
@@ -43,4 +45,8 @@ profile smollm2-135m planner/data/model-configs/smollm2-135m.json bf16 bf16
 profile smollm2-135m planner/data/model-configs/smollm2-135m.json int4 fp8
 profile llama-3.1-8b-4layers "$LLAMA_CUT" bf16 bf16
 profile llama-3.1-8b-4layers "$LLAMA_CUT" bf16 fp8
+timeout 100 "$PY" -m engine.cli profile --model planner/data/model-configs/kimi-k2.6.json --num-layers 12 \
+  --weights native --kv-dtype bf16 --device cuda --prefill-tokens 16 64 256 1024 --batches 1 4 16 64 \
+  --contexts 128 1024 8192 --repeats 3 --out "$PROFILES/cuda-kimi-k2.6-12layers-native-kvbf16.profile.json" \
+  --json || status=1
 exit $status

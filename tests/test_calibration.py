@@ -32,12 +32,22 @@ LINEARS = {"rows": [1, 2, 4, 8, 12, 16, 32, 64], "decoder_s": [0.04, 0.041, 0.06
            "head_rows": [1, 4, 16, 64], "head_s": [0.01, 0.012, 0.02, 0.05]}
 
 
-def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0, linears: dict | None = None) -> dict:
+# An MLA + MoE model as the profiler describes it: 64 experts of 3.5 MB, two per token, in 4 MoE layers; MLA's
+# decode pairs in the latent space, its prefill pairs expanded, and the re-expansion of a chunk's context.
+EXPERT_BYTES = 3 * 576 * 512 * 4
+MOE_MODEL = {**SMOLLM_MODEL, "name": "moe-mla", "num_experts": 64, "experts_per_token": 2, "num_moe_layers": 4,
+             "expert_weight_bytes": EXPERT_BYTES, "linear_weight_bytes": 200_000_000 + 4 * 64 * EXPERT_BYTES,
+             "linear_flops_per_token": 2.0 * 60_000_000, "attention_flops_per_pair": 2.0 * 30 * 9 * (2 * 64 + 32),
+             "prefill_attention_flops_per_pair": 2.0 * 30 * 9 * 160, "prefill_context_flops_per_token": 2.0 * 30 * 64 * 9 * 128}
+
+
+def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0, linears: dict | None = None,
+                      model: dict = SMOLLM_MODEL) -> dict:
     """Samples whose times the step model itself produced, over the profiler's usual grid (with measured
     linears in place of the weight and linear-FLOP terms if given)."""
     rng = random.Random(seed)
     measured = MeasuredLinears.of(linears) if linears else None
-    costs, peaks = profile_costs(SMOLLM_MODEL), profile_peaks(FINGERPRINT)
+    costs, peaks = profile_costs(model), profile_peaks(FINGERPRINT)
     batches = [("prefill", BatchShape.of([], [(n, n)])) for n in (16, 64, 256, 1024, 2048, 4096)]
     batches += [("decode", BatchShape.of([c] * b, [])) for b in (1, 4, 16, 64, 256) for c in (128, 512, 2048)]
     batches += [("prefill", BatchShape.of([], [(n // k, n // k)] * k)) for n, k in ((512, 2), (1024, 4), (2048, 8))]
@@ -48,7 +58,7 @@ def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0,
     for kind, batch in batches:
         seconds = step_time(costs, peaks, params, batch, measured) * (1 + rng.uniform(-noise, noise))
         samples.append({"kind": kind, "batch": batch.__dict__, "median_s": seconds, "times_s": [seconds]})
-    return {"version": PROFILE_VERSION, "fingerprint": FINGERPRINT, "model": SMOLLM_MODEL, "samples": samples,
+    return {"version": PROFILE_VERSION, "fingerprint": FINGERPRINT, "model": model, "samples": samples,
             "linears": linears}
 
 
@@ -64,6 +74,32 @@ def test_calibration_recovers_known_coefficients(truth):
     for name, value in truth.__dict__.items():
         absolute = 1e-6 if name.endswith("_s") else 1e-3      # seconds, or a fraction
         assert fitted[name] == pytest.approx(value, rel=0.02, abs=absolute), name
+
+
+def test_calibration_recovers_the_cost_of_each_expert_run():
+    truth = StepParameters(3e-3, 4e-4, 0.35, 0.6, 0.05, 0.2, 0.6, 0.1, 0.2, chunk_overhead_s=2e-3, expert_overhead_s=5e-4)
+    fitted = calibrate(synthetic_profile(truth, model=MOE_MODEL))["parameters"]
+    for name, value in truth.__dict__.items():
+        assert fitted[name] == pytest.approx(value, rel=0.02, abs=1e-6 if name.endswith("_s") else 1e-3), name
+
+
+def test_moe_and_mla_step_terms():
+    """Experts touched: 2 of 64 per token, so 1 token runs 2 per layer, 16 run 64 x (1 - (31/32)^16) = 25.2;
+    MLA: decode pairs at the latent cost, prefill pairs at the expanded cost, a chunk's earlier context
+    re-expanded (chunk of 100 at 300: 200 tokens)."""
+    from planner.step_model import step_terms
+
+    costs = profile_costs(MOE_MODEL)
+    assert costs.experts_touched(1) == pytest.approx(4 * 2)
+    assert costs.experts_touched(16) == pytest.approx(4 * 64 * (1 - (31 / 32) ** 16))
+    assert costs.weight_bytes_read(1) == pytest.approx(200_000_000 + SMOLLM_MODEL["head_weight_bytes"] + 8 * EXPERT_BYTES)
+    decode, prefill = step_terms(costs, BatchShape.of([50], [])), step_terms(costs, BatchShape.of([], [(100, 300)]))
+    assert decode.attention_flops == pytest.approx(MOE_MODEL["attention_flops_per_pair"] * 50)
+    assert prefill.attention_flops == pytest.approx(MOE_MODEL["prefill_attention_flops_per_pair"]
+                                                    * BatchShape.chunk_pairs(100, 300))
+    assert prefill.linear_flops == pytest.approx(MOE_MODEL["linear_flops_per_token"] * 100 + costs.head_flops_per_sequence
+                                                 + MOE_MODEL["prefill_context_flops_per_token"] * 200)
+    assert decode.expert_calls == pytest.approx(8) and prefill.expert_calls == pytest.approx(costs.experts_touched(100))
 
 
 def test_measured_linears_interpolate_between_row_counts_and_scale_past_the_last():

@@ -13,6 +13,22 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.spec import ModelSpec
 
 
+class DecoderLayer(nn.Module):
+    """A pre-norm residual block: attention, then the feed-forward (each family brings its own two)."""
+
+    def __init__(self, config: ModelSpec, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelSpec, layers: list[nn.Module]) -> None:
         super().__init__()

@@ -11,9 +11,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import PagedKVCache
 from engine.layers.mlp import SwiGLU
-from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary
-from engine.models.base import DecoderModel
+from engine.models.base import DecoderLayer, DecoderModel
 from engine.spec import ModelSpec
 
 
@@ -44,20 +43,8 @@ class Attention(nn.Module):
         return self.o_proj(attended.reshape(tokens, self.q_size))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelSpec, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.ffn.dense_intermediate)
-
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class LlamaModel(DecoderModel):
     def __init__(self, config: ModelSpec) -> None:
-        super().__init__(config, [DecoderLayer(config, i) for i in range(config.num_layers)])
+        super().__init__(config, [DecoderLayer(config, Attention(config, i),
+                                               SwiGLU(config.hidden_size, config.ffn.dense_intermediate))
+                                  for i in range(config.num_layers)])
