@@ -92,11 +92,11 @@ class MLAttention(nn.Module):
             attended = paged_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
                                         meta.decode_context_lens, self.scale, self.kv_lora_rank,
                                         kv_cache.scales[0][self.layer] if kv_cache.is_fp8 else None)
-        else:
-            rows = kv_cache.gather_latent(self.layer, meta.decode_block_tables, q_nope.dtype).flatten(1, 2)[:, None]
-            attended = F.scaled_dot_product_attention(query[:, :, None], rows, rows[..., :self.kv_lora_rank],
-                                                      attn_mask=meta.decode_mask, scale=self.scale,
-                                                      enable_gqa=True)[:, :, 0]
+        else:       # every head reads the same rows: batched matmuls, not an attention that copies them per head
+            rows = kv_cache.gather_latent(self.layer, meta.decode_block_tables, q_nope.dtype).flatten(1, 2)
+            scores = torch.bmm(query, rows.transpose(1, 2)) * self.scale                       # [n, heads, L]
+            scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
+            attended = torch.bmm(scores.softmax(dim=-1), rows[..., :self.kv_lora_rank])
         return torch.einsum("nhr,hvr->nhv", attended, w_uv)
 
     def expanded_prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: PagedKVCache,
