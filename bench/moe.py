@@ -23,6 +23,7 @@ import torch
 
 from engine.layers.moe import MoE, Router
 from engine.llm import LLM
+from engine.memory import dtype_bytes
 from engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,8 +134,10 @@ def main() -> None:
                   max_num_seqs=max(args.batches))
         spec = llm.model_config
         parts = spec.components()
-        expert_bytes = 4 * spec.expert_parameters                 # fp32
-        fixed_bytes = 4 * (spec.total_parameters - parts["routed_experts"].parameters - parts["embeddings"].parameters)
+        element = dtype_bytes("fp32")
+        expert_bytes = element * spec.expert_parameters
+        fixed_bytes = element * (spec.total_parameters - parts["routed_experts"].parameters
+                                 - parts["embeddings"].parameters)
         for batch in args.batches:
             engine_times, touched = engine_step_times(llm, batch, args.prompt_tokens, args.new_tokens)
             hf_times = hf_step_times(model, batch, args.prompt_tokens, args.new_tokens)

@@ -11,19 +11,26 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-               page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int):
-    generator = torch.Generator().manual_seed(seed)
+def ragged_tables(batch: int, page_size: int, generator: torch.Generator):
+    """Context lengths (one ending on an exactly full page), block tables of pages scattered over the pool,
+    and the pool's page count (a few spare)."""
     lengths = torch.randint(1, 5 * page_size, (batch,), generator=generator)
-    lengths[0] = page_size * 2                        # one exactly full last page
+    lengths[0] = page_size * 2
     pages_per_seq = (lengths + page_size - 1) // page_size
     num_pages = int(pages_per_seq.sum()) + 3
-    order = torch.randperm(num_pages, generator=generator)        # pages scattered over the pool
+    order = torch.randperm(num_pages, generator=generator)
     tables = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
     cursor = 0
     for b, count in enumerate(pages_per_seq.tolist()):
         tables[b, :count] = order[cursor:cursor + count].to(torch.int32)
         cursor += count
+    return lengths, tables, num_pages
+
+
+def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+               page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    lengths, tables, num_pages = ragged_tables(batch, page_size, generator)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     keys = torch.randn(shape, generator=generator)
     values = torch.randn(shape, generator=generator)
@@ -46,16 +53,7 @@ def mla_case(batch: int, num_heads: int, latent_dim: int, rope_dim: int, page_si
              q_dtype: torch.dtype, device: str, seed: int):
     """Latent pages scattered over the pool, ragged lengths, a latent and a rope key of different ranges."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 5 * page_size, (batch,), generator=generator)
-    lengths[0] = page_size * 2
-    pages_per_seq = (lengths + page_size - 1) // page_size
-    num_pages = int(pages_per_seq.sum()) + 3
-    order = torch.randperm(num_pages, generator=generator)
-    tables = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
-    cursor = 0
-    for b, count in enumerate(pages_per_seq.tolist()):
-        tables[b, :count] = order[cursor:cursor + count].to(torch.int32)
-        cursor += count
+    lengths, tables, num_pages = ragged_tables(batch, page_size, generator)
     rows = torch.cat([torch.randn(num_pages, page_size, latent_dim, generator=generator),
                       torch.randn(num_pages, page_size, rope_dim, generator=generator) * 4], dim=-1)
     scales = None
