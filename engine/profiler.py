@@ -37,14 +37,14 @@ from engine.kernel_backend import use_triton
 from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
 from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
-from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version, new_tokens
+from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 COPY_BYTES = 256 << 20
 MATMUL_SIZE = 2048
-# Row counts at which the linear layers are timed apart (`Profiler.measure_linears`): every count up to 8,
+# Row counts at which the linear layers are timed apart (`Profiler.linear_runs`): every count up to 8,
 # then denser than powers of two, since BLAS picks its kernels by row count.
 LINEAR_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256,
                384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -397,43 +397,48 @@ class Profiler:
         kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
         return [module for module in self.llm.model.layers.modules() if isinstance(module, kinds)]
 
-    def measure_linears(self, max_rows: int, max_head_rows: int) -> dict[str, list]:
-        """Seconds of all the decoder's linear layers, and of the output head, at each row count up to the
+    def linear_runs(self, max_rows: int, max_head_rows: int) -> LinearRuns:
+        """Runs of all the decoder's linear layers, and of the output head, at each row count up to the
         largest a profiled step has. A matmul's time is not smooth in its rows: BLAS changes kernels with the
         row count (on a 2-core VM one thread ran SmolLM2's layers at 8 rows in 0.73x the time of 16, at 14
-        rows in 1.3x), which no formula of bytes and FLOPs says; the step model reads these instead."""
+        rows in 1.3x), which no formula of bytes and FLOPs says; the step model reads these instead. Each
+        layer's output is dropped before the next runs, as a forward pass frees it."""
         layers = self._linear_layers()
         dtype = next(self.llm.model.parameters()).dtype
         hidden = self.llm.model_config.hidden_size
-        rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
 
         def decoder(count: int) -> Callable[[], None]:
             inputs = {width: torch.randn(count, width, dtype=dtype, device=self.llm.device)
                       for width in {layer.in_features for layer in layers}}
-            return lambda: [layer(inputs[layer.in_features]) for layer in layers]
+
+            def run() -> None:
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+            return run
 
         def head(count: int) -> Callable[[], None]:
             states = torch.randn(count, hidden, dtype=dtype, device=self.llm.device)
             return lambda: self.llm.model.compute_logits(states)
 
-        with torch.inference_mode():
-            decoder_s = self._median_times([decoder(r) for r in rows])
-            head_s = self._median_times([head(r) for r in head_rows])
-        return {"rows": rows, "decoder_s": decoder_s, "head_rows": head_rows, "head_s": head_s}
+        rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
+        return LinearRuns(rows, head_rows, [decoder(r) for r in rows] + [head(r) for r in head_rows])
 
-    def _median_times(self, runs: list[Callable[[], Any]]) -> list[float]:
-        """Each run's median time over `repeats` passes through all of them (after `warmup` passes): a slow
-        minute of a shared machine then costs every run one timing, rather than all of one run's."""
-        times: list[list[float]] = [[] for _ in runs]
-        for index in range(self.plan.warmup + self.plan.repeats):
-            for run, timed in zip(runs, times):
-                _synchronize(self.llm.device)
-                start = time.perf_counter()
+    def _time_run(self, run: Callable[[], Any], warmup: int) -> float:
+        with torch.inference_mode():
+            for _ in range(warmup):
                 run()
-                _synchronize(self.llm.device)
-                if index >= self.plan.warmup:
-                    timed.append(time.perf_counter() - start)
-        return [round(statistics.median(timed), 7) for timed in times]
+            _synchronize(self.llm.device)
+            start = time.perf_counter()
+            run()
+            _synchronize(self.llm.device)
+        return time.perf_counter() - start
+
+    def planned_rows(self) -> tuple[int, int]:
+        """The most new tokens, and the most sequences, of any step the sweep will time."""
+        shapes = ([(n, 1) for n in self.prefill_points()] + list(self.multi_prefill_points())
+                  + [(b, b) for b, _ in self.decode_points()]
+                  + [(p[0] + p[2], p[0] + (p[3] if len(p) == 4 else 1)) for p in self.mixed_points()])
+        return max(rows for rows, _ in shapes), max(seqs for _, seqs in shapes)
 
     def measure_activation_peak(self, tokens: int) -> int | None:
         """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
@@ -468,12 +473,24 @@ class Profiler:
                  for point in self.mixed_points()]
         if not jobs:
             raise ConfigError("no profiling point fits this engine's KV pool and context")
+        # A MoE model's linears are not timed apart (which experts run depends on the tokens' routing). The
+        # others' are timed within the passes, spread between the steps: timed after the sweep, a slow minute
+        # of the machine then fell on the table alone (1.9-3.4 s at 1024 rows in ten profiles of one engine,
+        # whose whole prefill of 1024 tokens took 2.5-3.3 s) and the fit had to bend every term to it.
+        linears = None if routed_experts(self.llm.model) else self.linear_runs(*self.planned_rows())
+        runs = linears.runs if linears else []
+        runs_after = [[run for run in range(len(runs)) if run * len(jobs) // len(runs) == index]
+                      for index in range(len(jobs))]
+        run_times: list[list[float]] = [[] for _ in runs]
         bar = _progress_bar(len(jobs) * self.plan.repeats)
         passes: list[list[dict[str, Any]]] = []
         for number in range(self.plan.repeats):
             passes.append([])
-            for label, job in jobs:
-                passes[-1].append(job(self.plan.warmup if number == 0 else 0, 1))
+            warmup = self.plan.warmup if number == 0 else 0
+            for (label, job), after in zip(jobs, runs_after):
+                passes[-1].append(job(warmup, 1))
+                for run in after:
+                    run_times[run].append(self._time_run(runs[run], warmup))
                 bar.set_description(f"pass {number + 1}/{self.plan.repeats}: {label}")
                 bar.update()
                 if progress is not None:
@@ -484,10 +501,7 @@ class Profiler:
             bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
                       file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout
         bar.close()
-        # a MoE model's linears are not timed apart: which experts run depends on the tokens' routing
-        self.linears = None if routed_experts(self.llm.model) else self.measure_linears(
-            max(new_tokens(s["batch"]) for s in self.samples),
-            max(s["batch"]["num_decodes"] + s["batch"]["num_prefills"] for s in self.samples))
+        self.linears = linears.table([round(statistics.median(times), 7) for times in run_times]) if linears else None
         points = self.prefill_points()
         self.activation_peak_bytes = self.measure_activation_peak(max(points)) if points else None
         return self.document()
@@ -506,6 +520,20 @@ class Profiler:
             "linears": self.linears,
             "samples": self.samples,
         }
+
+
+@dataclass(frozen=True)
+class LinearRuns:
+    """The decoder's linears at each of `rows`, then the head at each of `head_rows`, as runs to time."""
+
+    rows: list[int]
+    head_rows: list[int]
+    runs: list[Callable[[], None]]
+
+    def table(self, seconds: list[float]) -> dict[str, list]:
+        """The profile's `linears` section from each run's time, in the runs' order."""
+        return {"rows": self.rows, "decoder_s": seconds[:len(self.rows)], "head_rows": self.head_rows,
+                "head_s": seconds[len(self.rows):]}
 
 
 def _rows_up_to(count: int) -> list[int]:

@@ -5,7 +5,7 @@ A calibration is the fitted `StepParameters` plus where they came from: the prof
 relative to, and the fit error per regime and on held-out points. Fits are robust (soft-L1 loss on
 relative errors, so one noisy point cannot drag the rest) and refused above an error threshold.
 
-A profile that timed its linear layers by row count (`engine.profiler.Profiler.measure_linears`) is fitted
+A profile that timed its linear layers by row count (`engine.profiler.Profiler.linear_runs`) is fitted
 twice: with the physical terms alone (the `parameters`, which carry over to any model on this hardware),
 and with the measured linears in place of the weight and linear-FLOP terms (`measured_linears`: for the
 very model profiled, as verification uses it).
