@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.profile_format import PROFILE_VERSION, REGIMES
-from planner.calibration import (MAX_MAPE_PCT, calibrate, check_fingerprint, load_calibration, load_profile,
-                                 profile_costs, profile_peaks, samples_hash)
+from planner.calibration import (BOUNDS, MAX_MAPE_PCT, PARAMETER_NAMES, Points, calibrate, check_fingerprint,
+                                 load_calibration, load_profile, predict, profile_costs, profile_peaks, samples_hash)
 from planner.errors import PlannerError
 from planner.hardware import get_hardware
 from planner.step_model import BatchShape, MeasuredLinears, StepParameters, step_time
@@ -145,16 +145,20 @@ def test_a_fit_above_the_threshold_is_refused():
 
 
 def test_committed_cpu_profiles_and_their_calibrations():
-    """The CPU combinations whose fit passed (native weights with fp32 KV were profiled too, and refused at
-    17.6% prefill: see the README), each with its calibration beside it."""
+    """SmolLM2's CPU combinations whose fit passed (native weights with fp32 KV were profiled too, and refused at
+    17.6% prefill: see the README), and Kimi K2.6 cut to 2 layers and 16 experts as it ships; each with its
+    calibration beside it."""
     fingerprints = [json.loads(path.read_text())["fingerprint"] for path in PROFILES]
-    combos = {(f["weights"], f["kv_dtype"]) for f in fingerprints}
-    assert combos == {("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp8"), ("int4", "fp32"), ("int4", "fp8"),
-                      ("native", "fp8")}
+    smollm2 = {(f["weights"], f["kv_dtype"]) for f in fingerprints if f["model"] == "smollm2-135m"}
+    assert smollm2 == {("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp8"), ("int4", "fp32"), ("int4", "fp8"),
+                       ("native", "fp8")}
+    others = [(f["model"], f.get("num_layers"), f.get("num_experts"), f["weights"], f["kv_dtype"])
+              for f in fingerprints if f["model"] != "smollm2-135m"]
+    assert others == [("kimi-k2.6", 2, 16, "native", "bf16")]
     for path in PROFILES:
         calibration = load_calibration(str(path).replace(".profile.json", ".calibration.json"))
         assert calibration.document["samples_sha256"] == samples_hash(load_profile(path))
-    assert all(f["hardware"] == "cpu" and f["model"] == "smollm2-135m" for f in fingerprints)
+    assert all(f["hardware"] == "cpu" for f in fingerprints)
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
@@ -231,3 +235,15 @@ def test_padded_decode_attention_costs_the_longest_context_for_every_decode():
     peaks, params = profile_peaks(FINGERPRINT), StepParameters()
     assert step_time(paged, peaks, params, ragged) == pytest.approx(step_time(paged, peaks, params, uniform))
     assert step_time(padded, peaks, params, ragged) > step_time(padded, peaks, params, uniform)
+
+
+def test_every_coefficient_has_bounds_and_the_formula_is_the_same_on_arrays():
+    """The fit evaluates `step_model.combine` over arrays of points; the simulator over one step at a time."""
+    assert set(BOUNDS) == set(PARAMETER_NAMES)
+    profile = synthetic_profile(StepParameters(chunk_overhead_s=0.01, overlap=0.4))
+    costs, peaks = profile_costs(profile["model"]), profile_peaks(profile["fingerprint"])
+    params = StepParameters(step_overhead_s=3e-3, overlap=0.4, chunk_overhead_s=0.01, compute_efficiency=0.3)
+    points = Points.of(profile["samples"], costs)
+    one_by_one = [step_time(costs, peaks, params, BatchShape(**s["batch"])) for s in profile["samples"]]
+    assert predict(points, peaks, params) == pytest.approx(one_by_one, rel=1e-12)
+    assert len({round(t, 9) for t in one_by_one}) > len(one_by_one) // 2      # points of different shapes
