@@ -26,21 +26,24 @@ from engine.profile_format import PROFILE_VERSION, REGIMES
 from planner.errors import PlannerError
 from planner.files import read_json
 from planner.hardware import catalogue
-from planner.step_model import BatchShape, MeasuredLinears, ModelCosts, Peaks, StepParameters, step_terms
+from planner.step_model import (BatchShape, MeasuredLinears, ModelCosts, Peaks, StepParameters, StepTerms, combine,
+                                 step_terms)
 
 CALIBRATION_VERSION = 1
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
-LOWER = (0.0, 0.0, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 0.0, 0.3, 0.0, 0.0)
-UPPER = (1.0, 0.1, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0, 3.0, 0.1, 0.05)
-X_SCALE = (1e-3, 1e-5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1e-3, 1e-4)
+# each coefficient's (lower bound, upper bound, typical size for the solver's scaling), by name
+BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5),
+          **{name: (1e-3, 1.5, 0.1) for name in ("bandwidth_efficiency", "gemv_efficiency", "kv_bandwidth_efficiency",
+                                                  "dequant_efficiency", "compute_efficiency", "attention_efficiency")},
+          "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
+          "expert_overhead_s": (0.0, 0.05, 1e-4)}
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls"}
-
 
 def load_profile(path: str | Path) -> dict[str, Any]:
     profile = read_json(path, "profile")
@@ -92,61 +95,38 @@ def profile_peaks(fingerprint: dict[str, Any]) -> Peaks:
 
 @dataclass(frozen=True)
 class Points:
-    """A profile's samples as arrays: bytes, FLOPs, sequences and the measured median per step."""
+    """A profile's samples: each one's regime, its step terms (every field an array over the samples) and
+    the measured median per step."""
 
     kinds: np.ndarray
-    weight_bytes: np.ndarray
-    gemv_weight_bytes: np.ndarray
-    dequant_bytes: np.ndarray
-    kv_bytes: np.ndarray
-    linear_flops: np.ndarray
-    attention_flops: np.ndarray
-    num_seqs: np.ndarray
-    num_prefills: np.ndarray
-    measured_linear_s: np.ndarray
-    expert_calls: np.ndarray
+    terms: StepTerms
     seconds: np.ndarray
 
     @classmethod
     def of(cls, samples: list[dict[str, Any]], costs: ModelCosts, linears: MeasuredLinears | None = None) -> Points:
         terms = [step_terms(costs, BatchShape(**sample["batch"]), linears) for sample in samples]
         return cls(np.array([sample["kind"] for sample in samples]),
-                   np.array([t.weight_bytes for t in terms], dtype=float),
-                   np.array([t.gemv_weight_bytes for t in terms], dtype=float),
-                   np.array([t.dequant_bytes for t in terms], dtype=float),
-                   np.array([t.kv_bytes for t in terms], dtype=float),
-                   np.array([t.linear_flops for t in terms], dtype=float),
-                   np.array([t.attention_flops for t in terms], dtype=float),
-                   np.array([t.num_seqs for t in terms], dtype=float),
-                   np.array([t.num_prefills for t in terms], dtype=float),
-                   np.array([t.measured_linear_s for t in terms], dtype=float),
-                   np.array([t.expert_calls for t in terms], dtype=float),
+                   StepTerms(**{item.name: np.array([getattr(t, item.name) for t in terms], dtype=float)
+                                for item in fields(StepTerms)}),
                    np.array([sample["median_s"] for sample in samples], dtype=float))
 
     def subset(self, mask: np.ndarray) -> Points:
-        return Points(*(getattr(self, item.name)[mask] for item in fields(self)))
+        return Points(self.kinds[mask], StepTerms(**{item.name: getattr(self.terms, item.name)[mask]
+                                                     for item in fields(StepTerms)}), self.seconds[mask])
 
 
 def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
-    """`planner.step_model.combine`, vectorized over points."""
-    memory = (points.weight_bytes / params.bandwidth_efficiency + points.gemv_weight_bytes / params.gemv_efficiency
-              + points.dequant_bytes / params.dequant_efficiency
-              + points.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
-    compute = (points.linear_flops / params.compute_efficiency
-               + points.attention_flops / params.attention_efficiency) / peaks.flops_per_s
-    longer, shorter = np.maximum(memory, compute), np.minimum(memory, compute)
-    return (params.step_overhead_s + params.seq_overhead_s * points.num_seqs
-            + params.chunk_overhead_s * points.num_prefills + params.expert_overhead_s * points.expert_calls
-            + params.linear_scale * points.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
+    return combine(points.terms, peaks, params)
 
 
 def fit(points: Points, peaks: Peaks) -> StepParameters:
     """Robust least squares on relative errors, from several starting points (the max() makes it
     non-smooth). A coefficient whose term is zero at every point (no widened weights in a float profile)
     says nothing about the data: it keeps its default rather than wandering."""
-    free = np.array([bool(getattr(points, TERM_OF[name]).any()) if name in TERM_OF else True
+    free = np.array([bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
                      for name in PARAMETER_NAMES])
     defaults = np.array([getattr(StepParameters(), name) for name in PARAMETER_NAMES])
+    lower, upper, scale = (np.array([BOUNDS[name][column] for name in PARAMETER_NAMES])[free] for column in range(3))
 
     def full(x: np.ndarray) -> np.ndarray:
         values = defaults.copy()
@@ -158,9 +138,11 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
 
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
-        start = np.array([min(points.seconds) / 4, 1e-5, *[efficiency] * 6, overlap, 1.0, 1e-3, 1e-4])[free]
-        result = least_squares(residuals, start, bounds=(np.array(LOWER)[free], np.array(UPPER)[free]),
-                               loss="soft_l1", f_scale=0.05, x_scale=np.array(X_SCALE)[free], max_nfev=4000)
+        start = {"step_overhead_s": min(points.seconds) / 4, "seq_overhead_s": 1e-5, "overlap": overlap,
+                 "linear_scale": 1.0, "chunk_overhead_s": 1e-3, "expert_overhead_s": 1e-4}
+        x0 = np.array([start.get(name, efficiency) for name in PARAMETER_NAMES])[free]
+        result = least_squares(residuals, x0, bounds=(lower, upper), loss="soft_l1", f_scale=0.05, x_scale=scale,
+                               max_nfev=4000)
         if best is None or result.cost < best.cost:
             best = result
     return StepParameters(*(float(value) for value in full(best.x)))

@@ -263,15 +263,19 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
+    """The step formula, written once: for one step's terms, or elementwise for terms whose fields are numpy
+    arrays (the calibration fits it over a profile's points). The longer of memory and compute plus the
+    unhidden share of the shorter is their sum less `overlap` times the shorter, and the shorter of a and b
+    is (a + b - |a - b|) / 2: no branch, so floats and arrays take the same path."""
     memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.gemv_weight_bytes / params.gemv_efficiency
               + terms.dequant_bytes / params.dequant_efficiency
               + terms.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
     compute = (terms.linear_flops / params.compute_efficiency
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
-    longer, shorter = max(memory, compute), min(memory, compute)
+    shorter = (memory + compute - abs(memory - compute)) / 2
     return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
             + params.chunk_overhead_s * terms.num_prefills + params.expert_overhead_s * terms.expert_calls
-            + params.linear_scale * terms.measured_linear_s + longer + (1.0 - params.overlap) * shorter)
+            + params.linear_scale * terms.measured_linear_s + memory + compute - params.overlap * shorter)
 
 
 def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape,
