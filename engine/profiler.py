@@ -44,6 +44,11 @@ from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 COPY_BYTES = 256 << 20
 MATMUL_SIZE = 2048
+# A point is timed in each pass as often as fits this many seconds (once at least, at most the cap): a step of
+# SmolLM2's single decode jitters +-10% from one step to the next on this VM, and three timings left its
+# median 12% above its neighbours' (the fit then missed every such step a light workload served by 12%)
+SECONDS_PER_POINT_PER_PASS = 0.25
+MAX_TIMINGS_PER_PASS = 8
 # Row counts at which the linear layers are timed apart (`Profiler.linear_runs`): every count up to 8,
 # then denser than powers of two, since BLAS picks its kernels by row count.
 LINEAR_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256,
@@ -307,7 +312,7 @@ class Profiler:
         return prompts <= self.llm.config.max_num_seqs and self._prompts_fit(tokens, prompts)
 
     def _decode_fits(self, batch: int, context: int) -> bool:
-        steps = self.plan.warmup + self.plan.repeats + 1
+        steps = self.plan.warmup + max(self.plan.repeats, MAX_TIMINGS_PER_PASS) + 1
         capacity = self.llm.capacity_tokens
         page = self.llm.config.page_size
         return (context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
@@ -455,9 +460,10 @@ class Profiler:
         return peak
 
     def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Every point timed once per pass, `repeats` passes (the first after `warmup` untimed steps of each):
-        a slow minute of a shared machine, which comes and goes (a neighbour slowed identical steps 2x for a
-        minute on this VM), then costs each point one of its timings, not all of some points' timings."""
+        """Every point timed in each of `repeats` passes (the first after `warmup` untimed steps of each; once
+        in the first pass, then as often as `SECONDS_PER_POINT_PER_PASS` allows): a slow minute of a shared
+        machine, which comes and goes (a neighbour slowed identical steps 2x for a minute on this VM), then
+        costs each point one pass of its timings, not all of some points' timings."""
         Job = Callable[[int, int], dict[str, Any]]
         jobs: list[tuple[str, Job]] = []
         jobs += [(f"prefill {n} tokens", lambda w, r, n=n: self.profile_prefill(n, 1, w, r))
@@ -482,13 +488,17 @@ class Profiler:
         runs_after = [[run for run in range(len(runs)) if run * len(jobs) // len(runs) == index]
                       for index in range(len(jobs))]
         run_times: list[list[float]] = [[] for _ in runs]
+        timings_per_pass = [1] * len(jobs)
         bar = _progress_bar(len(jobs) * self.plan.repeats)
         passes: list[list[dict[str, Any]]] = []
         for number in range(self.plan.repeats):
             passes.append([])
             warmup = self.plan.warmup if number == 0 else 0
-            for (label, job), after in zip(jobs, runs_after):
-                passes[-1].append(job(warmup, 1))
+            for index, ((label, job), after) in enumerate(zip(jobs, runs_after)):
+                passes[-1].append(job(warmup, timings_per_pass[index]))
+                if number == 0:
+                    timings_per_pass[index] = max(1, min(MAX_TIMINGS_PER_PASS, int(
+                        SECONDS_PER_POINT_PER_PASS / max(passes[-1][-1]["median_s"], 1e-9))))
                 for run in after:
                     run_times[run].append(self._time_run(runs[run], warmup))
                 bar.set_description(f"pass {number + 1}/{self.plan.repeats}: {label}")

@@ -5,7 +5,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.profile_format import PROFILE_VERSION, REGIMES
-from engine.profiler import Profiler, SweepPlan
+from engine.profiler import MAX_TIMINGS_PER_PASS, SECONDS_PER_POINT_PER_PASS, Profiler, SweepPlan
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def small_engine() -> LLM:
 @pytest.fixture(scope="module")
 def profile(small_engine) -> dict:
     plan = SweepPlan(prefill_tokens=(16, 48, 4096), multi_prefills=((40, 3), (600, 4)), decode_batches=(1, 3),
-                     decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)), warmup=0, repeats=1)
+                     decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)), warmup=0, repeats=2)
     return Profiler(small_engine, plan).run()
 
 
@@ -67,3 +67,13 @@ def test_the_profile_points_can_be_timed_again(profile, small_engine):
     assert small_engine.block_manager.num_used_pages == 0 and not small_engine.has_unfinished()
     too_big = {"kind": "decode", "batch": {"num_decodes": 8, "decode_context_tokens": 8 * 200}}
     assert not profiler.can_remeasure(too_big)      # 8 x 200 tokens > 40 pages of 16
+
+
+def test_cheap_points_are_timed_more_often_in_later_passes(profile):
+    """Once in the first pass; in the second as often as the first timing says fits the time per point."""
+    def allowed(first: float) -> set[int]:      # times are rounded to the microsecond: either side of a boundary
+        return {1 + max(1, min(MAX_TIMINGS_PER_PASS, int(SECONDS_PER_POINT_PER_PASS / (first * (1 + d)))))
+                for d in (-1e-4, 0.0, 1e-4)}
+    for sample in profile["samples"]:
+        assert len(sample["times_s"]) in allowed(sample["times_s"][0]), sample
+    assert any(len(sample["times_s"]) > 2 for sample in profile["samples"])
