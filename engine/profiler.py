@@ -213,12 +213,9 @@ def _cost_fields(llm: LLM) -> dict[str, Any]:
     per attention pair (MLA decodes in the latent space, prefills expanded, and re-expands a chunk's context),
     and for MoE the bytes of one routed expert as allocated, which the step reads only for the experts its
     tokens touch."""
-    config, attention = llm.model_config, llm.model_config.attention
-    fields = {"family": config.family, "attention_kind": attention.kind,
-              "linear_flops_per_token": config.linear_flops_per_token,
-              "attention_flops_per_pair": config.num_layers * attention.flops_per_pair(),
-              "prefill_attention_flops_per_pair": config.num_layers * attention.prefill_flops_per_pair(),
-              "prefill_context_flops_per_token": config.num_layers * attention.expansion_flops_per_token()}
+    config = llm.model_config
+    fields = {"family": config.family, "attention_kind": config.attention.kind,
+              "linear_flops_per_token": config.linear_flops_per_token, **config.attention_flops()}
     experts = routed_experts(llm.model)
     if experts:
         ffn = config.ffn
@@ -284,12 +281,15 @@ class Profiler:
         for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
             self.llm.abort(seq.seq_id)
 
-    def _timed_step(self) -> tuple[float, SchedulerOutput]:
+    def _seconds(self, run: Callable[[], Any]) -> float:
         _synchronize(self.llm.device)
         start = time.perf_counter()
-        self.llm.step()
+        run()
         _synchronize(self.llm.device)
-        return time.perf_counter() - start, self.llm.last_output
+        return time.perf_counter() - start
+
+    def _timed_step(self) -> tuple[float, SchedulerOutput]:
+        return self._seconds(self.llm.step), self.llm.last_output
 
     def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
         return self._sample(kind, batch_shape(output), times)
@@ -432,11 +432,7 @@ class Profiler:
         with torch.inference_mode():
             for _ in range(warmup):
                 run()
-            _synchronize(self.llm.device)
-            start = time.perf_counter()
-            run()
-            _synchronize(self.llm.device)
-        return time.perf_counter() - start
+            return self._seconds(run)
 
     def planned_rows(self) -> tuple[int, int]:
         """The most new tokens, and the most sequences, of any step the sweep will time."""

@@ -371,6 +371,13 @@ class ModelSpec:
         routed = self.ffn.moe_layers * self.ffn.experts_per_token * self.expert_parameters
         return 2.0 * (parts["attention"] + parts["dense_ffn"] + routed + parts["shared_experts"])
 
+    def attention_flops(self) -> dict[str, float]:
+        """Attention's FLOPs over all layers, named as the step model's costs: per decode pair, per prefill pair,
+        and per context token a prefill chunk re-expands (MLA)."""
+        return {"attention_flops_per_pair": self.num_layers * self.attention.flops_per_pair(),
+                "prefill_attention_flops_per_pair": self.num_layers * self.attention.prefill_flops_per_pair(),
+                "prefill_context_flops_per_token": self.num_layers * self.attention.expansion_flops_per_token()}
+
 
 def _first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:

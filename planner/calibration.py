@@ -45,6 +45,7 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls"}
 
+
 def load_profile(path: str | Path) -> dict[str, Any]:
     profile = read_json(path, "profile")
     if profile.get("version") != PROFILE_VERSION:

@@ -111,9 +111,7 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
     return ModelCosts(
         dense_weight_bytes=dense,
         linear_flops_per_token=model.linear_flops_per_token / parallel.tp,
-        attention_flops_per_pair=model.num_layers * model.attention.flops_per_pair() / attention_tp,
-        prefill_attention_flops_per_pair=model.num_layers * model.attention.prefill_flops_per_pair() / attention_tp,
-        prefill_context_flops_per_token=model.num_layers * model.attention.expansion_flops_per_token() / attention_tp,
+        **{name: flops / attention_tp for name, flops in model.attention_flops().items()},
         kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
         head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / parallel.tp,
         expert_weight_bytes=expert_bytes, num_moe_layers=ffn.moe_layers, num_experts=ffn.num_experts,
