@@ -6,7 +6,7 @@ The model is Kimi K2.6 at full width (hidden 7168, 64 heads, MLA 512 + 64, exper
 `--vocab` so that both copies fit in memory (the head is the same matmul on both sides). Random weights are
 saved by transformers and loaded by the engine from that folder, fp32. A decode step's time is the median
 over the steps of a greedy generation of `--new-tokens` tokens at batch 1 and 16 (each side's own cache),
-and its achieved GB/s is the weights it must read (everything but the routed experts, plus the experts the
+the two sides' steps timed alternately so that a machine slowing down slows both; its achieved GB/s is the weights it must read (everything but the routed experts, plus the experts the
 step's tokens touch, counted from the engine's router) over that time.
 """
 from __future__ import annotations
@@ -48,18 +48,29 @@ def save_random_model(config: dict, folder: Path):
     return model
 
 
-def engine_step_times(llm: LLM, batch: int, prompt_tokens: int, new_tokens: int) -> tuple[list[float], list[int]]:
-    """Seconds of each decode step, and the distinct experts per MoE layer each step touched."""
+def prompts(batch: int, prompt_tokens: int) -> list[list[int]]:
+    return [[2 + (index * 7 + i) % 1000 for i in range(prompt_tokens)] for index in range(batch)]
+
+
+def lockstep_decode_times(llm: LLM, model, batch: int, prompt_tokens: int,
+                          new_tokens: int) -> tuple[list[float], list[float], list[int]]:
+    """Seconds of each decode step of the engine and of transformers, timed alternately (engine step,
+    transformers step, ...) so that both see the same machine, and the distinct experts per MoE layer each
+    engine step touched."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    for index in range(batch):
-        llm.add_request([2 + (index * 7 + i) % 1000 for i in range(prompt_tokens)], params)
+    for prompt in prompts(batch, prompt_tokens):
+        llm.add_request(prompt, params)
     touched: list[int] = []
     in_step: list[int] = []
     routers = [m for m in llm.model.modules() if isinstance(m, Router)]
     hooks = [r.register_forward_hook(lambda _m, _i, out: in_step.append(int(out[1].unique().numel())))
              for r in routers]
-    times = []
+    engine_times: list[float] = []
+    hf_times: list[float] = []
     try:
+        with torch.inference_mode():
+            out = model(torch.tensor(prompts(batch, prompt_tokens)), use_cache=True)
+        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         while llm.has_unfinished():
             running = llm.scheduler.running
             decoding = bool(running) and not llm.scheduler.waiting and all(
@@ -67,27 +78,19 @@ def engine_step_times(llm: LLM, batch: int, prompt_tokens: int, new_tokens: int)
             in_step.clear()
             start = time.perf_counter()
             llm.step()
-            if decoding:
-                times.append(time.perf_counter() - start)
-                touched.extend(in_step)
+            if not decoding:
+                continue
+            engine_times.append(time.perf_counter() - start)
+            touched.extend(in_step)
+            with torch.inference_mode():
+                start = time.perf_counter()
+                out = model(token, cache=cache, use_cache=True)
+                hf_times.append(time.perf_counter() - start)
+            cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
     finally:
         for hook in hooks:
             hook.remove()
-    return times, touched
-
-
-def hf_step_times(model, batch: int, prompt_tokens: int, new_tokens: int) -> list[float]:
-    ids = torch.tensor([[2 + (index * 7 + i) % 1000 for i in range(prompt_tokens)] for index in range(batch)])
-    times = []
-    with torch.inference_mode():
-        out = model(ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new_tokens - 1):
-            start = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    return times
+    return engine_times, hf_times, touched
 
 
 def moe_layer_vs_token_loop(llm: LLM, tokens: int, repeats: int) -> dict:
@@ -139,8 +142,8 @@ def main() -> None:
         fixed_bytes = element * (spec.total_parameters - parts["routed_experts"].parameters
                                  - parts["embeddings"].parameters)
         for batch in args.batches:
-            engine_times, touched = engine_step_times(llm, batch, args.prompt_tokens, args.new_tokens)
-            hf_times = hf_step_times(model, batch, args.prompt_tokens, args.new_tokens)
+            engine_times, hf_times, touched = lockstep_decode_times(llm, model, batch, args.prompt_tokens,
+                                                                    args.new_tokens)
             per_step_touched = statistics.mean(touched) if touched else 0
             weights_read = fixed_bytes + spec.ffn.moe_layers * per_step_touched * expert_bytes
             engine_s, hf_s = statistics.median(engine_times), statistics.median(hf_times)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernel_backend import use_triton
+from engine.layers.linear import linear
 from engine.layers.moe import Experts, GroupedExperts
 from engine.memory import WeightFormat
 from engine.quant import (SYMMETRIC_OFFSET, Fp8Weight, Int4Weight, dequantize_fp8_weight, dequantize_int4,
@@ -70,7 +71,7 @@ class Int4Linear(nn.Module):
             out = torch._weight_int4pack_mm_for_cpu(flat.to(CPU_INT4_ACTIVATIONS), packed, self.group_size,
                                                      scales_and_zeros)
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, dequantize_int4(self.weight_int4, x.dtype))
+        return linear(x, dequantize_int4(self.weight_int4, x.dtype))
 
 
 class Fp8Linear(nn.Module):
@@ -99,17 +100,17 @@ class Fp8Linear(nn.Module):
 
             out = w8a16_matmul(flat.contiguous(), self.values, self.scales.float())
             return out.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, dequantize_fp8_weight(self.weight_fp8, x.dtype))
+        return linear(x, dequantize_fp8_weight(self.weight_fp8, x.dtype))
 
 
-def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A linear layer's weight as a float matrix, however it is stored: for code that multiplies by the
     matrix itself (MLA's absorbed decode folds kv_b_proj into the queries)."""
-    if isinstance(linear, Int4Linear):
-        return dequantize_int4(linear.weight_int4, dtype)
-    if isinstance(linear, Fp8Linear):
-        return dequantize_fp8_weight(linear.weight_fp8, dtype)
-    return linear.weight.to(dtype)
+    if isinstance(layer, Int4Linear):
+        return dequantize_int4(layer.weight_int4, dtype)
+    if isinstance(layer, Fp8Linear):
+        return dequantize_fp8_weight(layer.weight_fp8, dtype)
+    return layer.weight.to(dtype)
 
 
 def fused_rows_limit(weights: str, device_type: str) -> int | None:
@@ -123,13 +124,13 @@ def fused_rows_limit(weights: str, device_type: str) -> int | None:
     return None if weights in ("int4", "native") else 0
 
 
-def quantize_linear(linear: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:
-    if linear.bias is not None:
+def quantize_linear(layer: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:
+    if layer.bias is not None:
         raise ValueError("quantized layers here have no bias; the families served have none")
     if fmt.dtype == "int4":
-        return Int4Linear(quantize_int4(linear.weight.data, fmt, search))
+        return Int4Linear(quantize_int4(layer.weight.data, fmt, search))
     if fmt.dtype == "fp8":
-        return Fp8Linear(quantize_fp8_weight(linear.weight.data, fmt.block_size))
+        return Fp8Linear(quantize_fp8_weight(layer.weight.data, fmt.block_size))
     raise ValueError(f"{fmt.dtype!r} is not a quantized format")
 
 

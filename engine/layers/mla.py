@@ -22,6 +22,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kernel_backend import use_triton
 from engine.kv_cache import PagedKVCache
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import apply_rotary, rotate_interleaved, softmax_scale
 from engine.quantized_linear import dense_weight
@@ -42,15 +43,15 @@ class MLAttention(nn.Module):
         qk_size = self.num_heads * (self.nope_dim + self.rope_dim)
         self.compressed_queries = bool(attention.q_lora_rank)
         if self.compressed_queries:
-            self.q_a_proj = nn.Linear(hidden, attention.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(hidden, attention.q_lora_rank)
             self.q_a_layernorm = RMSNorm(attention.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(attention.q_lora_rank, qk_size, bias=False)
+            self.q_b_proj = Linear(attention.q_lora_rank, qk_size)
         else:
-            self.q_proj = nn.Linear(hidden, qk_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_proj = Linear(hidden, qk_size)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden)
         self.scale = softmax_scale(self.nope_dim + self.rope_dim, config.rope)
         self.rotate = rotate_interleaved if config.rope.interleaved else apply_rotary
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import linear
 from engine.layers.mlp import SwiGLU
 from engine.spec import FeedForward, Routing
 
@@ -52,7 +53,7 @@ class Router(nn.Module):
                                         if routing.correction_bias else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         return route(logits, self.routing, self.top_k, bias)
 
@@ -95,8 +96,8 @@ class Experts(GroupedExperts):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[index]).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[index])
+        gate, up = linear(x, self.gate_up_proj[index]).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj[index])
 
 
 class MoE(nn.Module):

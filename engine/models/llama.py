@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import PagedKVCache
+from engine.layers.linear import Linear
 from engine.layers.mlp import SwiGLU
 from engine.layers.rotary import apply_rotary
 from engine.models.base import DecoderLayer, DecoderModel
@@ -26,8 +27,8 @@ class Attention(nn.Module):
         self.head_dim = attention.head_dim
         self.q_size = attention.num_heads * attention.head_dim
         self.kv_size = attention.num_kv_heads * attention.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = attention.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
