@@ -38,6 +38,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="keep the first N decoder layers of a big config (nothing else changes)")
     parser.add_argument("--num-experts", type=int, default=None,
                         help="keep the first E routed experts of each MoE layer (top-k..the config's)")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="ranks of tensor parallelism: worker processes this command starts (gloo on CPU, "
+                             "NCCL on GPUs 0..N-1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -88,7 +91,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
                         num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
-                        **extra)
+                        tensor_parallel=args.tensor_parallel, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -103,11 +106,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise RequestError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(engine_config(args, device=args.device, integrity=args.integrity))
-    prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
-    if args.prompt is not None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    result = llm.generate([prompt], params)[0]
+    with LLM(engine_config(args, device=args.device, integrity=args.integrity)) as llm:
+        prompt = args.prompt if args.prompt is not None else args.prompt_token_ids
+        if args.prompt is not None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        result = llm.generate([prompt], params)[0]
     _emit({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
            "prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.token_ids)},
           args.json, result.text)
@@ -115,17 +118,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_info(args: argparse.Namespace) -> None:
     from engine.llm import CPU_DEFAULT_KV_GIB
-    from engine.loader import read_model_config, resolve, weight_bytes_report
+    from engine.loader import check_shardable, read_model_config, resolve, weight_bytes_report
     from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, kv_scale_bytes
+    from engine.sharding import rank_spec
 
     config = engine_config(args)
     source = resolve(config.model)
-    model_config = read_model_config(source).truncated(config.num_layers, config.num_experts)
+    check_shardable(config.model, config)
+    model_config = rank_spec(read_model_config(source).truncated(config.num_layers, config.num_experts),
+                             config.tensor_parallel)       # one rank's share (all of it on one device)
     layout = kv_layout(model_config, config.resolved_kv_dtype(on_gpu=False))
     budget = int((config.kv_cache_gib or CPU_DEFAULT_KV_GIB) * GIB)
     pages = kv_pages_for_budget(budget, layout, config.page_size)
     weights = weight_bytes_report(source, model_config, config)
     payload = {
+        "tensor_parallel": config.tensor_parallel,
         "weight_bytes": weights["weight_bytes"],
         "linear_weight_bytes": weights["linear_weight_bytes"],
         "weight_bytes_by_component": weights["weight_bytes_by_component"],
@@ -143,8 +150,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from engine.evaluate import perplexity
     from engine.llm import LLM
 
-    llm = LLM(engine_config(args, device=args.device))
-    result = perplexity(llm, args.window, args.windows)
+    with LLM(engine_config(args, device=args.device)) as llm:
+        result = perplexity(llm, args.window, args.windows)
     payload = {"perplexity": result.perplexity, "tokens": result.tokens, "kv_dtype": llm.kv_layout.dtype,
                "weights": args.weights}
     _emit(payload, args.json, f"perplexity {result.perplexity:.4f} over {result.tokens} tokens "
@@ -166,9 +173,9 @@ def cmd_profile(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.parent and not out.parent.is_dir():
         raise ConfigError(f"the folder of --out {str(out)!r} does not exist")
-    llm = LLM(engine_config(args, device=args.device, max_num_batched_tokens=max(max(plan.prefill_tokens), 2048),
-                            seed=args.seed))
-    profile = Profiler(llm, plan, args.seed).run()
+    with LLM(engine_config(args, device=args.device, max_num_batched_tokens=max(max(plan.prefill_tokens), 2048),
+                           seed=args.seed)) as llm:
+        profile = Profiler(llm, plan, args.seed).run()
     out.write_text(json.dumps(profile, indent=1) + "\n")
     summary = {"out": str(out), "samples": len(profile["samples"]), "fingerprint": profile["fingerprint"]}
     _emit(summary, args.json, f"{len(profile['samples'])} points written to {out}")

@@ -72,6 +72,8 @@ class EngineConfig:
     # CPU threads for torch's kernels (process-wide); None keeps torch's default of one per core. On a shared
     # machine one thread per engine is what stays steady: a multi-threaded step waits for its slowest thread.
     num_threads: int | None = None
+    # Ranks of tensor parallelism: this process is rank 0 and starts the others (engine.distributed).
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         _require(self.integrity in INTEGRITY_MODES,
@@ -89,7 +91,7 @@ class EngineConfig:
                  f"float weights ({self.weights}) compute in their own dtype, not {self.compute_dtype!r}")
         _require(self.group_size in INT4_GROUP_SIZES,
                  f"group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {self.group_size!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
             _positive_int(name, getattr(self, name))
         if self.num_pages is not None:
             _positive_int("num_pages", self.num_pages)

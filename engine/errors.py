@@ -15,3 +15,7 @@ class LoaderError(EngineError):
 
 class RequestError(EngineError):
     """A request that cannot be served; rejected without touching the running ones."""
+
+
+class WorkerError(EngineError):
+    """A tensor-parallel worker process failed: the engine cannot go on (the message says which and why)."""

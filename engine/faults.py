@@ -125,3 +125,12 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     harmed = sum(1 for seq_id, expected in zip(ids, reference)
                  if seq_id not in victims and outputs[seq_id] != expected)
     return TrialResult(fault, detected, clean, harmed, leaked)
+
+
+def crash_worker(llm: LLM, rank: int) -> None:
+    """Makes tensor-parallel worker `rank` raise in the next step, as a bug or a lost device would: the engine
+    must end with that worker's error, not hang."""
+    size = llm.config.tensor_parallel
+    if not 0 < rank < size:
+        raise ValueError(f"worker rank must be in 1..{size - 1}, got {rank!r}")
+    llm.runner.fail_rank = rank

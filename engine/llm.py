@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -12,7 +13,9 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.errors import ConfigError, RequestError
 from engine.integrity import IntegrityChecker
 from engine.kv_cache import PagedKVCache
-from engine.loader import load_model
+from engine.distributed import MEMORY_QUERY, SINGLE, Workers
+from engine.loader import check_shardable, load_model
+from engine.quantized_linear import allocated_bytes_by_component
 from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -55,6 +58,11 @@ def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int)
     return tokenizer.encode(topics[sorted(topics)[-1]])[:count]
 
 
+def rank_memory(model: torch.nn.Module, kv_cache: PagedKVCache) -> dict[str, Any]:
+    """What one rank holds: its weight bytes by component, and its KV pool's bytes."""
+    return {"weight_bytes_by_component": allocated_bytes_by_component(model), "kv_cache_bytes": kv_cache.nbytes}
+
+
 class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -64,14 +72,26 @@ class LLM:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.compute_dtype = config.resolved_compute_dtype(on_gpu)
-        loaded = load_model(config.model, self.compute_dtype, self.device, config.seed, config)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu))
-        num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
-                                                            config.page_size)
-        if num_pages <= 0:
-            raise ConfigError(f"the KV budget holds no page of {config.page_size} tokens "
-                              f"({kv_bytes_per_token(self.kv_layout)} bytes per token)")
+        self.workers: Workers | None = None
+        group = SINGLE
+        if config.tensor_parallel > 1:
+            check_shardable(config.model, config)
+            self.workers = Workers(config, config.tensor_parallel, self.device)
+            group = self.workers.group
+        try:
+            loaded = load_model(config.model, self.compute_dtype, self.device, config.seed, config, group)
+            self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+            self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu), config.tensor_parallel)
+            num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
+                                                                config.page_size)
+            if num_pages <= 0:
+                raise ConfigError(f"the KV budget holds no page of {config.page_size} tokens "
+                                  f"({kv_bytes_per_token(self.kv_layout)} bytes per token)")
+            if self.workers is not None:
+                self.workers.send(num_pages)
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.scheduler_config = SchedulerConfig(
@@ -81,12 +101,28 @@ class LLM:
         self.block_manager = BlockManager(num_pages, config.page_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
             config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed)
         if self.kv_cache.is_fp8:
             self.calibrate_kv_scales()
+
+    def memory_by_rank(self) -> list[dict[str, Any]]:
+        """`rank_memory` of every rank of the engine, rank 0 (this process) first."""
+        own = rank_memory(self.model, self.kv_cache)
+        return [own] if self.workers is None else self.workers.gather(MEMORY_QUERY, own)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do on one device); the engine is unusable after."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_gib is not None:

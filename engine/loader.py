@@ -17,13 +17,15 @@ import torch
 from torch import nn
 
 from engine.config import EngineConfig
+from engine.distributed import SINGLE, TensorGroup
 from engine.dtypes import TORCH_DTYPES
-from engine.errors import EngineError, LoaderError
+from engine.errors import ConfigError, EngineError, LoaderError
 from engine.memory import WeightFormat, component_weight_bytes, decoder_linear_bytes, native_scheme
 from engine.memory import weight_scheme as memory_weight_scheme
 from engine.models import model_class
 from engine.quant import Int4Weight, int4_from_gguf_q4_1
 from engine.quantized_linear import Int4Linear, quantize_model
+from engine.sharding import check_tensor_parallel, shard_model
 from engine.spec import DECODER_COMPONENTS, ModelSpec, spec_from_config
 from engine.tokenizer import Tokenizer
 
@@ -381,18 +383,39 @@ def _random_model(config: ModelSpec, dtype: torch.dtype, device: torch.device, s
 
 
 def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
-               engine: EngineConfig | None = None) -> LoadedModel:
+               engine: EngineConfig | None = None, group: TensorGroup = SINGLE) -> LoadedModel:
     """Loads in compute dtype `dtype`, the linear layers in the engine configuration's weights (quantized at
     load, or served as the checkpoint ships them: "native"), cut to its `num_layers` and `num_experts` where a
-    config is too big for this machine, every other dimension as published."""
+    config is too big for this machine, every other dimension as published. In a tensor-parallel `group`,
+    this rank's shard: the full model is read in the float dtype, sliced, and the slice quantized."""
     engine = engine or EngineConfig(model=name)
     source = resolve(name)
     config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
     scheme = weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
+    model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
+                                   {} if group.size > 1 else scheme)
+    if group.size > 1:
+        model = shard_model(model, group.size, group.rank)
+        model.use_group(group)
+        quantize_model(model, scheme)
+    return LoadedModel(model.eval(), config, tokenizer, source)
+
+
+def check_shardable(name: str, engine: EngineConfig) -> None:
+    """A clear error, before any worker process starts, for a model or weights the group cannot split."""
+    source = resolve(name)
+    check_tensor_parallel(read_model_config(source).truncated(engine.num_layers, engine.num_experts),
+                          engine.tensor_parallel)
+    if source.kind == "gguf" and engine.weights == "native":
+        raise ConfigError(f"--weights native with --tensor-parallel {engine.tensor_parallel}: the GGUF's Q4_1 "
+                          f"groups would be cut across ranks; use --weights int4 (quantized per shard)")
+
+
+def _read_model(source: ModelSource, config: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int,
+                engine: EngineConfig, scheme: dict[str, WeightFormat]) -> tuple[nn.Module, Tokenizer | None]:
     if source.kind == "random":
-        model = _random_model(config, TORCH_DTYPES[dtype], torch.device(device), seed, scheme)
-        return LoadedModel(model.eval(), config, None, source)
-    model = _empty_model(config, TORCH_DTYPES[dtype], torch.device(device))
+        return _random_model(config, dtype, device, seed, scheme), None
+    model = _empty_model(config, dtype, device)
     if source.kind == "gguf":
         reader, fields = _read_gguf(source.path)
         tokenizer = Tokenizer.from_gguf_fields(fields)
@@ -402,7 +425,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
         _fill_from_hf_tensors(model, _safetensors_tensors(source.path))
     if not (source.kind == "gguf" and engine.weights == "native"):          # GGUF's Q4_1 went in as it is
         quantize_model(model, scheme)
-    return LoadedModel(model.eval(), config, tokenizer, source)
+    return model, tokenizer
 
 
 def weight_scheme(source: ModelSource, spec: ModelSpec, engine: EngineConfig, weights: str | None = None,

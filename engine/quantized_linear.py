@@ -225,3 +225,22 @@ def linear_weight_bytes(model: nn.Module) -> int:
         elif isinstance(module, nn.Linear) and not name.endswith("lm_head"):
             total += module.weight.nbytes
     return total
+
+
+def allocated_bytes_by_component(model: nn.Module) -> dict[str, int]:
+    """The bytes of every weight tensor the model holds (packed values, scales, norms, embeddings), by the
+    planner's components: what `planner.memory_plan` predicts for one device."""
+    totals: dict[str, int] = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("embed_tokens."):
+            component = "embeddings"
+        elif name.startswith("lm_head."):
+            component = "head"
+        elif name == "norm.weight" or (name.endswith("layernorm.weight") and ".self_attn." not in name):
+            component = "norms"
+        elif ".mlp.gate." in name:
+            component = "shared_experts"                    # the routers, as the planner counts them
+        else:
+            component = component_of(name)
+        totals[component] = totals.get(component, 0) + tensor.nbytes
+    return totals

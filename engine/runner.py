@@ -1,10 +1,14 @@
-"""Runs one scheduled step on the model: flat inputs, block tables, forward, sampling."""
+"""Runs one scheduled step on the model: a plan of flat inputs and block tables, the forward pass, sampling.
+
+The plan is plain lists (`engine.distributed.StepPlan`) so that a tensor-parallel engine's rank 0 can send
+it to the other ranks, which run the same forward pass on it (`forward_plan`)."""
 from __future__ import annotations
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
 from engine.block_manager import BlockManager
+from engine.distributed import StepPlan, Workers
 from engine.kv_cache import PagedKVCache
 from engine.memory import pages_for_tokens
 from engine.models.base import DecoderModel
@@ -12,10 +16,39 @@ from engine.sampler import sample
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 
+@torch.inference_mode()
+def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, page_size: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """The plan's forward pass on this rank's shard: float32 logits [rows, vocab] of the plan's logit rows
+    (every row when it names none), or None when it wants no logits."""
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    width = max((len(t) for t in plan.decode_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in plan.decode_tables]
+    context_lens = tensor(plan.decode_lens)
+    meta = AttentionMetadata(
+        slot_mapping=tensor(plan.slots),
+        num_decodes=len(plan.decode_tables),
+        decode_block_tables=tensor(padded).reshape(len(plan.decode_tables), width),
+        decode_context_lens=context_lens,
+        decode_mask=decode_mask(context_lens, width, page_size),
+        prefills=tuple(PrefillChunk(row, tokens, context, tensor(pages), chunk_causal_mask(tokens, context, device))
+                       for row, tokens, context, pages in plan.prefills),
+    )
+    kv_cache.calibrating = plan.calibrate_kv
+    hidden = model(tensor(plan.token_ids), tensor(plan.positions), kv_cache, meta)
+    if plan.logit_rows == []:
+        return None
+    return model.compute_logits(hidden if plan.logit_rows is None else hidden[tensor(plan.logit_rows)])
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 seed: int = 0) -> None:
+                 seed: int = 0, workers: Workers | None = None) -> None:
         self.model = model
+        self.workers = workers
+        self.fail_rank: int | None = None          # fault injection: a worker rank that must fail the next step
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.device = next(model.parameters()).device
@@ -34,62 +67,48 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-    def prepare(self, items: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat token ids, positions and attention metadata; `items` must list decodes first."""
+    def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None) -> StepPlan:
+        """The step's flat inputs from the block tables; `items` must list decodes first."""
         page_size = self.block_manager.page_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        plan = StepPlan([], [], [], [], [], [], logit_rows, calibrate_kv=self.kv_cache.calibrating,
+                        fail_rank=self.fail_rank)
+        self.fail_rank = None
         for item in items:
             table = self.block_manager.block_table(item.seq.seq_id)
-            token_ids.extend(item.seq.token_ids_between(item.start, item.end))
+            plan.token_ids.extend(item.seq.token_ids_between(item.start, item.end))
             span = range(item.start, item.end)
-            positions.extend(span)
-            slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
+            plan.positions.extend(span)
+            plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
             if item.is_decode:
-                decode_tables.append(table)
-                decode_lens.append(item.end)
+                plan.decode_tables.append(table)
+                plan.decode_lens.append(item.end)
             else:
-                pages = table[:pages_for_tokens(item.end, page_size)]
-                prefills.append(PrefillChunk(len(token_ids) - item.num_new_tokens, item.num_new_tokens,
-                                             item.end, self._tensor(pages),
-                                             chunk_causal_mask(item.num_new_tokens, item.end, self.device)))
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
-        context_lens = self._tensor(decode_lens)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decode_tables),
-            decode_block_tables=self._tensor(padded).reshape(len(decode_tables), width),
-            decode_context_lens=context_lens,
-            decode_mask=decode_mask(context_lens, width, page_size),
-            prefills=tuple(prefills),
-        )
-        return self._tensor(token_ids), self._tensor(positions), meta
+                plan.prefills.append((len(plan.token_ids) - item.num_new_tokens, item.num_new_tokens, item.end,
+                                      table[:pages_for_tokens(item.end, page_size)]))
+        return plan
 
-    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Sends the plan to the other ranks (tensor parallelism), then runs this rank's share of it."""
+        if self.workers is not None:
+            self.workers.send(plan)
+        try:
+            return forward_plan(self.model, self.kv_cache, plan, self.block_manager.page_size, self.device)
+        except RuntimeError as error:
+            if self.workers is None:
+                raise
+            raise self.workers.failed(error) from None
+
     def logits(self, items: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every computed position, float32 [T, vocab]; for scoring, not serving."""
-        input_ids, positions, meta = self.prepare(sorted(items, key=lambda item: not item.is_decode))
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
+        return self.run(self.plan(sorted(items, key=lambda item: not item.is_decode), None))
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[int, int]:
         """Runs the step; returns the sampled token of every sequence that reached its last token."""
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
-        input_ids, positions, meta = self.prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampling = [(row, item) for row, item in zip(_last_rows(items), items) if item.samples]
+        logits = self.run(self.plan(items, [row for row, _ in sampling]))
         if not sampling:
             return {}
-        rows = self._tensor([row for row, _ in sampling])
-        logits = self.model.compute_logits(hidden[rows])
         tokens = sample(logits, [item.seq.params for _, item in sampling],
                         [self._generator(item) for _, item in sampling])
         return {item.seq.seq_id: token for (_, item), token in zip(sampling, tokens)}

@@ -21,7 +21,8 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
                    "--threads", "1",
                    "--prefill-tokens", "16", "64", "128", "256", "512", "1024",
                    "--batches", "1", "2", "4", "8", "12", "16", "24", "32",       # the workload peaks at ~30
-                   "--contexts", "64", "128", "256", "512", "--repeats", "2", "--out", str(profile), "--json")
+                   "--contexts", "64", "128", "256", "512", "--repeats", "2", "--out", str(profile), "--json",
+                   timeout=900)      # ~2.5 min on an idle 2-core VM, 5 beside two busy processes
     assert made.returncode == 0, made.stderr
     assert json.loads(made.stdout)["samples"] > 40          # --json: one JSON object on stdout, the points on stderr
     args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "4", "--requests", "30",

@@ -1,11 +1,16 @@
 """What every family shares: embeddings, a stack of decoder layers over the paged cache, the final norm,
-the rotary tables (computed once per step for all layers) and the output head."""
+the rotary tables (computed once per step for all layers) and the output head.
+
+Under tensor parallelism (`use_group`) each rank's modules hold its shard (`engine.sharding`): the layers sum
+their row-parallel outputs over the group, the embedding holds one slice of the vocabulary (a token outside
+it embeds to zeros, and the sum over ranks is the full lookup), and the head's logits are gathered."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.distributed import SINGLE, TensorGroup
 from engine.kv_cache import PagedKVCache
 from engine.layers.linear import Linear, linear
 from engine.layers.norm import RMSNorm
@@ -22,11 +27,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        self.group = SINGLE
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.group.all_reduce(self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta))
+        return x + self.group.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
@@ -38,6 +44,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = self.rotary_embedding(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.group = SINGLE
+
+    def use_group(self, group: TensorGroup) -> None:
+        """This model is rank `group.rank`'s shard of a tensor-parallel model."""
+        self.group = group
+        for layer in self.layers:
+            layer.group = group
 
     @staticmethod
     def rotary_embedding(config: ModelSpec) -> RotaryEmbedding:
@@ -46,12 +59,21 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of new tokens [T] → final hidden states [T, hidden]; the cache rows go to the pool."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rotary = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rotary, kv_cache, meta)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return self.embed_tokens(input_ids)
+        rows = self.embed_tokens.num_embeddings
+        local = input_ids - self.group.rank * rows
+        inside = (local >= 0) & (local < rows)
+        x = self.embed_tokens(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed_tokens.weight.dtype)
+        return self.group.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return self.group.all_gather_last_dim(linear(hidden, weight)).float()

@@ -1,0 +1,201 @@
+"""Tensor parallelism over `torch.distributed`: one process per rank on this node, gloo on CPU, NCCL on CUDA.
+
+Rank 0 is the process that built the `LLM`: it owns the scheduler, the block manager and the integrity table,
+and before every forward pass it broadcasts the step's plan (`StepPlan`: token ids, positions, cache slots,
+block tables; plain lists). Ranks 1..N-1 are worker processes the engine spawns itself (no `torchrun`); each
+holds its shard of the weights and of the KV pool (its attention heads), runs the same forward pass on the
+plan, and meets the others in the collectives: one all-reduce after attention and one after the feed-forward
+of every layer, one after the vocab-parallel embedding, one all-gather of the vocab-parallel logits.
+
+Several nodes, or `torchrun`, would launch the same `worker_main` with their own rank and a shared address
+(`MASTER_ADDR:MASTER_PORT`); this module starts every rank on one node, on a free local port.
+
+A worker that fails puts one line on the error queue and exits; rank 0's next collective then fails (gloo
+sees the peer gone; every collective has a timeout, so nothing hangs) and the engine raises that line.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.errors import EngineError, WorkerError
+
+MEMORY_QUERY = "memory"            # rank 0 asks every rank for the bytes it holds (`Workers.gather`)
+COLLECTIVE_TIMEOUT_S = 120          # a collective a peer never joins ends in an error, not a hang
+FAILURE_WAIT_S = 5.0                # how long rank 0 waits for a failed worker's own account of what went wrong
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """This process's place in the tensor-parallel group; size 1 is the single-device engine (no collective)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of partial results (a row-parallel matmul's, a vocab shard's embeddings)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rank's slice of the last dimension (its vocab shard's logits), concatenated in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = TensorGroup()
+
+
+@dataclass
+class StepPlan:
+    """One forward pass as every rank runs it: flat new tokens (decodes first), their cache slots, the
+    decodes' block tables and context lengths, each prefill chunk as (first row, tokens, context length,
+    pages), and the rows whose logits are wanted (None: every row)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    prefills: list[tuple[int, int, int, list[int]]]
+    logit_rows: list[int] | None
+    calibrate_kv: bool = False          # the FP8 scale calibration's prefill: each rank sets its own scales
+    fail_rank: int | None = None        # fault injection: this worker rank raises instead of running the step
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(rank: int, size: int, address: str, device: torch.device) -> TensorGroup:
+    if dist.is_initialized():
+        raise EngineError("this process already belongs to a torch.distributed group: one tensor-parallel "
+                          "engine per process")
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{address}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return TensorGroup(rank, size)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def worker_main(rank: int, size: int, address: str, config: Any, errors: Any) -> None:
+    """A worker rank: builds its shard, then runs every plan rank 0 broadcasts until it sends None."""
+    from engine.worker import ShardWorker
+
+    group = None
+    try:
+        worker = ShardWorker(config, rank, size, address)
+        group = worker.group
+        while worker.kv_cache is not None:
+            message = receive_object()
+            if message is None:
+                break
+            if message == MEMORY_QUERY:
+                dist.gather_object(worker.memory(), dst=0)
+            else:
+                worker.run(message)
+    except BaseException as error:          # noqa: BLE001 - whatever ends a worker is reported, then re-raised
+        errors.put((rank, f"{type(error).__name__}: {error}".splitlines()[0], traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def broadcast_object(value: Any) -> None:
+    """From rank 0 to every rank: a step's plan, the KV pool's page count at start-up, None to stop."""
+    dist.broadcast_object_list([value], src=0)
+
+
+def receive_object() -> Any:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Workers:
+    """Ranks 1..N-1 of a tensor-parallel engine, spawned on this node; rank 0 joins the group here."""
+
+    def __init__(self, config: Any, size: int, device: torch.device) -> None:
+        context = mp.get_context("spawn")
+        self.errors = context.Queue()
+        address = f"127.0.0.1:{free_port()}"
+        self.processes = [context.Process(target=worker_main, args=(rank, size, address, config, self.errors),
+                                          daemon=True, name=f"engine-rank-{rank}")
+                          for rank in range(1, size)]
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        for process in self.processes:
+            process.start()
+        self.failure: str | None = None
+        try:
+            self.group = join_group(0, size, address, device)
+        except Exception as error:  # noqa: BLE001 - a worker that died while starting says why
+            self.close()
+            raise self.failed(error) from None
+
+    def failed(self, error: BaseException) -> WorkerError:
+        """The error that ends the engine after a collective failed: the worker's own line if one reported."""
+        if self.failure is None:
+            try:
+                rank, line, _ = self.errors.get(timeout=FAILURE_WAIT_S)
+                self.failure = f"tensor-parallel worker rank {rank} failed: {line}"
+            except Exception:  # noqa: BLE001 - queue.Empty: no worker said anything
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                cause = f"{', '.join(dead)} exited" if dead else str(error).splitlines()[0]
+                self.failure = f"tensor-parallel engine failed: {cause}"
+        return WorkerError(self.failure)
+
+    def send(self, value: Any) -> None:
+        if self.failure is not None:
+            raise WorkerError(self.failure)
+        try:
+            broadcast_object(value)
+        except RuntimeError as error:
+            raise self.failed(error) from None
+
+    def gather(self, query: str, own: Any) -> list[Any]:
+        """Every rank's answer to `query`, rank 0's (`own`) first."""
+        self.send(query)
+        answers: list[Any] = [None] * (len(self.processes) + 1)
+        try:
+            dist.gather_object(own, answers, dst=0)
+        except RuntimeError as error:
+            raise self.failed(error) from None
+        return answers
+
+    def close(self) -> None:
+        """Tells the workers to stop (if the group still stands), then makes sure they are gone."""
+        if dist.is_initialized():
+            if self.failure is None:
+                try:
+                    broadcast_object(None)
+                except RuntimeError:        # a worker already gone: it is joined or killed below
+                    self.failure = "tensor-parallel worker gone at shutdown"
+            dist.destroy_process_group()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()

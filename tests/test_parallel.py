@@ -1,0 +1,133 @@
+"""Tensor parallelism on CPU: real gloo process groups, one process per rank, against the one-device engine."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import run_cli
+
+from engine.errors import ConfigError, WorkerError
+from engine.faults import crash_worker
+from engine.llm import LLM
+from engine.memory import kv_bytes_per_token, kv_layout
+from engine.sequence import SamplingParams
+from planner.memory_plan import Parallelism, component_bytes_per_gpu, weight_scheme
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": [1]}
+PROMPT_LENGTHS = (5, 17, 33, 40, 9, 26)
+
+
+def write_config(tmp_path_factory, **changes) -> str:
+    path = tmp_path_factory.mktemp("tp") / "config.json"
+    path.write_text(json.dumps({**TINY, **changes}))
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    return [[3 + (i * 37 + j * 11) % 250 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def greedy(llm: LLM, max_tokens: int = 12) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(prompts(), SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_config(tmp_path_factory)
+
+
+def test_two_ranks_give_the_one_device_tokens_with_chunks_and_preemption(tiny):
+    """Prefills cut into chunks of 16 tokens, a pool too small for all six requests (preemptions): the
+    schedule is rank 0's, and every step's sums over ranks give the one-device logits."""
+    settings = dict(model=tiny, num_threads=1, num_pages=12, page_size=8, max_num_batched_tokens=16)
+    one = LLM(**settings)
+    expected = greedy(one)
+    with LLM(**settings, tensor_parallel=2) as two:
+        assert greedy(two) == expected
+        assert two.num_preemptions == one.num_preemptions > 0
+        scored_one, scored_two = one.score(prompts()[2]), two.score(prompts()[2])
+        assert float((scored_one - scored_two).norm() / scored_one.norm()) < 1e-5
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path_factory):
+    path = write_config(tmp_path_factory, num_key_value_heads=1)
+    settings = dict(model=path, num_threads=1, kv_cache_gib=0.01)
+    expected = greedy(LLM(**settings))
+    with LLM(**settings, tensor_parallel=2) as two:
+        assert greedy(two) == expected
+        # each rank holds the one KV head: the same pool bytes as one device, the same tokens per page
+        assert two.kv_layout.num_kv_heads == 1
+
+
+@pytest.mark.parametrize("weights,kv_dtype", [("bf16", "bf16"), ("int4", "fp8")])
+def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
+    """Weights by component and the KV pool of every rank, to the byte, against `planner.memory_plan` for
+    two GPUs (the planner's float dtype is bf16, so the engine computes in bf16 here)."""
+    with LLM(model=tiny, weights=weights, compute_dtype="bf16" if weights == "int4" else None, kv_dtype=kv_dtype,
+             group_size=32, num_threads=1, num_pages=10, tensor_parallel=2) as llm:
+        assert len(greedy(llm, max_tokens=2)) == len(PROMPT_LENGTHS)      # FP8 scales calibrated on both ranks
+        ranks = llm.memory_by_rank()
+        spec = llm.model_config
+    planned = component_bytes_per_gpu(spec, weight_scheme(spec, weights, group_size=32), Parallelism(gpus=2))
+    per_token = kv_bytes_per_token(kv_layout(spec, kv_dtype, 2))
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert rank["weight_bytes_by_component"] == {k: v for k, v in planned.items() if v}
+        scales = 0 if kv_dtype != "fp8" else rank["kv_cache_bytes"] - 10 * 16 * per_token
+        assert rank["kv_cache_bytes"] - scales == 10 * 16 * per_token and 0 <= scales < 1024
+    info = run_cli("info", "--model", tiny, "--weights", weights, "--kv-dtype", kv_dtype, "--group-size", "32",
+                   "--tensor-parallel", "2", "--json")
+    assert info.returncode == 0, info.stderr
+    info = json.loads(info.stdout)
+    if weights == "bf16":                 # info's float dtype is the weights' (fp32 beside INT4 on CPU)
+        assert info["weight_bytes"] == sum(ranks[0]["weight_bytes_by_component"].values())
+    assert info["kv_bytes_per_token"] == per_token and info["tensor_parallel"] == 2
+
+
+def test_generate_on_two_ranks_from_the_command_line(tiny):
+    one = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "6", "7", "--max-tokens", "6", "--json")
+    two = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "6", "7", "--max-tokens", "6",
+                  "--tensor-parallel", "2", "--threads", "1", "--json")
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+    bad = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "--tensor-parallel", "3")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"engine: error: --tensor-parallel 3 does not divide the 4 attention heads of {tiny}"]
+
+
+def test_smollm2_over_three_ranks_gives_the_one_device_tokens():
+    """SmolLM2's 9 heads, 3 KV heads, 1536-wide MLP and 49152-token vocabulary split three ways."""
+    settings = dict(model="smollm2-135m", num_threads=1, kv_cache_gib=0.05)
+    chat = ["What is the capital of France?", "Name three primary colours."]
+    params = SamplingParams(max_tokens=8)
+    expected = [r.token_ids for r in LLM(**settings).generate(chat, params)]
+    with LLM(**settings, tensor_parallel=3) as three:
+        assert [r.token_ids for r in three.generate(chat, params)] == expected
+
+
+def test_a_worker_that_fails_ends_the_engine_with_its_error(tiny):
+    with LLM(model=tiny, num_threads=1, kv_cache_gib=0.01, tensor_parallel=2) as llm:
+        llm.add_request(prompts()[0], SamplingParams(max_tokens=4))
+        llm.step()
+        crash_worker(llm, 1)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1 failed: .*fault injected into rank 1"):
+            llm.step()
+        assert time.monotonic() - start < 60
+        with pytest.raises(WorkerError, match="rank 1"):            # no step runs on a broken group
+            llm.step()
+
+
+def test_splits_that_do_not_divide_are_refused_before_any_process_starts(tiny, tmp_path_factory):
+    with pytest.raises(ConfigError, match="--tensor-parallel 3 does not divide the 4 attention heads"):
+        LLM(model=tiny, tensor_parallel=3)
+    kv3 = write_config(tmp_path_factory, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ConfigError, match="the 3 KV heads .* 2 ranks"):
+        LLM(model=kv3, tensor_parallel=2)
+    with pytest.raises(ConfigError, match="tensor_parallel must be a positive integer, got 0"):
+        LLM(model=tiny, tensor_parallel=0)
+    with pytest.raises(ConfigError, match="--weights native with --tensor-parallel 3"):
+        LLM(model="smollm2-135m", weights="native", tensor_parallel=3)
