@@ -41,6 +41,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="ranks of tensor parallelism: worker processes this command starts (gloo on CPU, "
                              "NCCL on GPUs 0..N-1)")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="deal the routed experts out whole over the --tensor-parallel ranks")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -91,7 +93,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
                         num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
-                        tensor_parallel=args.tensor_parallel, **extra)
+                        tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -125,6 +127,9 @@ def cmd_info(args: argparse.Namespace) -> None:
     config = engine_config(args)
     source = resolve(config.model)
     check_shardable(config.model, config)
+    if config.expert_parallel:
+        raise ConfigError("engine info --expert-parallel: a rank's experts are `planner plan --expert-parallel`'s "
+                          "per-GPU bytes; info prints tensor-parallel shares only")
     model_config = rank_spec(read_model_config(source).truncated(config.num_layers, config.num_experts),
                              config.tensor_parallel)       # one rank's share (all of it on one device)
     layout = kv_layout(model_config, config.resolved_kv_dtype(on_gpu=False))

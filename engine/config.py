@@ -74,6 +74,7 @@ class EngineConfig:
     num_threads: int | None = None
     # Ranks of tensor parallelism: this process is rank 0 and starts the others (engine.distributed).
     tensor_parallel: int = 1
+    expert_parallel: bool = False           # routed experts dealt out whole over the tensor-parallel ranks
 
     def __post_init__(self) -> None:
         _require(self.integrity in INTEGRITY_MODES,
@@ -100,6 +101,8 @@ class EngineConfig:
         for name in ("num_threads", "num_layers", "num_experts"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        _require(isinstance(self.expert_parallel, bool),
+                 f"expert_parallel must be true or false, got {self.expert_parallel!r}")
         _require(self.kv_cache_gib is None or self.kv_cache_gib > 0,
                  f"kv cache size must be positive GiB, got {self.kv_cache_gib!r}")
         _require(0 < self.gpu_memory_utilization <= 1,

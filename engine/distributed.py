@@ -15,12 +15,14 @@ sees the peer gone; every collective has a timeout, so nothing hangs) and the en
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,24 @@ import torch.multiprocessing as mp
 
 from engine.errors import EngineError, WorkerError
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
 MEMORY_QUERY = "memory"            # rank 0 asks every rank for the bytes it holds (`Workers.gather`)
+COLLECTIVES = "collectives"         # ("collectives", sizes, repeats): every rank times the collectives together
 COLLECTIVE_TIMEOUT_S = 120          # a collective a peer never joins ends in an error, not a hang
 FAILURE_WAIT_S = 5.0                # how long rank 0 waits for a failed worker's own account of what went wrong
+
+log = logging.getLogger("engine.distributed")
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank's collectives took so far: the profiler reads the change over a step."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,11 +56,21 @@ class TensorGroup:
 
     rank: int = 0
     size: int = 1
+    stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
+
+    def _timed(self, x: torch.Tensor, collective: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        collective()
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+        self.stats.bytes += x.nbytes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of partial results (a row-parallel matmul's, a vocab shard's embeddings)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            self._timed(x, lambda: dist.all_reduce(x))
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +78,8 @@ class TensorGroup:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        x = x.contiguous()
+        self._timed(x, lambda: dist.all_gather(parts, x))
         return torch.cat(parts, dim=-1)
 
 
@@ -100,7 +128,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def worker_main(rank: int, size: int, address: str, config: Any, errors: Any) -> None:
+def worker_main(rank: int, size: int, address: str, config: EngineConfig, errors: Any) -> None:
     """A worker rank: builds its shard, then runs every plan rank 0 broadcasts until it sends None."""
     from engine.worker import ShardWorker
 
@@ -114,6 +142,8 @@ def worker_main(rank: int, size: int, address: str, config: Any, errors: Any) ->
                 break
             if message == MEMORY_QUERY:
                 dist.gather_object(worker.memory(), dst=0)
+            elif isinstance(message, tuple) and message[0] == COLLECTIVES:
+                time_collectives(worker.group, *message[1:], worker.device)
             else:
                 worker.run(message)
     except BaseException as error:          # noqa: BLE001 - whatever ends a worker is reported, then re-raised
@@ -122,6 +152,32 @@ def worker_main(rank: int, size: int, address: str, config: Any, errors: Any) ->
     finally:
         if group is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
+
+
+def time_collectives(group: TensorGroup, sizes: list[int], repeats: int, device: torch.device) -> list[dict[str, Any]]:
+    """Every rank runs this together: the median seconds of each collective on fp32 messages of each size in
+    bytes (the all-gather's size is one rank's part), after a barrier and one untimed call."""
+    rows = []
+    for op in COLLECTIVE_OPS:
+        for size in sizes:
+            x = torch.ones(max(1, size // 4), device=device)
+            parts = [torch.empty_like(x) for _ in range(group.size)]
+            run = (lambda: dist.all_reduce(x)) if op == "all_reduce" else (lambda: dist.all_gather(parts, x))
+            run()
+            dist.barrier()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            rows.append({"op": op, "bytes": x.nbytes, "ranks": group.size, "median_s": sorted(times)[len(times) // 2],
+                         "times_s": [round(t, 7) for t in times]})
+    return rows
 
 
 def broadcast_object(value: Any) -> None:
@@ -138,14 +194,14 @@ def receive_object() -> Any:
 class Workers:
     """Ranks 1..N-1 of a tensor-parallel engine, spawned on this node; rank 0 joins the group here."""
 
-    def __init__(self, config: Any, size: int, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, size: int, device: torch.device) -> None:
         context = mp.get_context("spawn")
         self.errors = context.Queue()
         address = f"127.0.0.1:{free_port()}"
         self.processes = [context.Process(target=worker_main, args=(rank, size, address, config, self.errors),
                                           daemon=True, name=f"engine-rank-{rank}")
                           for rank in range(1, size)]
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")     # one node: gloo talks over loopback, inherited
         for process in self.processes:
             process.start()
         self.failure: str | None = None
@@ -159,11 +215,14 @@ class Workers:
         """The error that ends the engine after a collective failed: the worker's own line if one reported."""
         if self.failure is None:
             try:
-                rank, line, _ = self.errors.get(timeout=FAILURE_WAIT_S)
+                rank, line, trace = self.errors.get(timeout=FAILURE_WAIT_S)
+                log.debug("tensor-parallel worker rank %d:\n%s", rank, trace)
                 self.failure = f"tensor-parallel worker rank {rank} failed: {line}"
             except Exception:  # noqa: BLE001 - queue.Empty: no worker said anything
                 dead = [p.name for p in self.processes if not p.is_alive()]
-                cause = f"{', '.join(dead)} exited" if dead else str(error).splitlines()[0]
+                cause = (f"{', '.join(dead)} exited before saying why (see its stderr; a script that starts a "
+                         f"tensor-parallel engine needs the `if __name__ == \"__main__\":` guard)" if dead
+                         else str(error).splitlines()[0])
                 self.failure = f"tensor-parallel engine failed: {cause}"
         return WorkerError(self.failure)
 
@@ -184,6 +243,14 @@ class Workers:
         except RuntimeError as error:
             raise self.failed(error) from None
         return answers
+
+    def time_collectives(self, sizes: list[int], repeats: int, device: torch.device) -> list[dict[str, Any]]:
+        """`time_collectives` on every rank at once; rank 0's timings."""
+        self.send((COLLECTIVES, sizes, repeats))
+        try:
+            return time_collectives(self.group, sizes, repeats, device)
+        except RuntimeError as error:
+            raise self.failed(error) from None
 
     def close(self) -> None:
         """Tells the workers to stop (if the group still stands), then makes sure they are gone."""

@@ -395,7 +395,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
                                    {} if group.size > 1 else scheme)
     if group.size > 1:
-        model = shard_model(model, group.size, group.rank)
+        model = shard_model(model, group.size, group.rank, engine.expert_parallel)
         model.use_group(group)
         quantize_model(model, scheme)
     return LoadedModel(model.eval(), config, tokenizer, source)
@@ -405,7 +405,7 @@ def check_shardable(name: str, engine: EngineConfig) -> None:
     """A clear error, before any worker process starts, for a model or weights the group cannot split."""
     source = resolve(name)
     check_tensor_parallel(read_model_config(source).truncated(engine.num_layers, engine.num_experts),
-                          engine.tensor_parallel)
+                          engine.tensor_parallel, engine.expert_parallel)
     if source.kind == "gguf" and engine.weights == "native":
         raise ConfigError(f"--weights native with --tensor-parallel {engine.tensor_parallel}: the GGUF's Q4_1 "
                           f"groups would be cut across ranks; use --weights int4 (quantized per shard)")

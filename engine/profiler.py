@@ -14,7 +14,11 @@ The profile is a versioned JSON document:
      "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
      "linears": {"rows", "decoder_s", "head_rows", "head_s"}: the linear layers alone, by row count,
      "samples": [{"kind": "prefill" | "decode" | "mixed", "batch": {the step's shape}, "times_s": [...],
-                  "median_s", "bytes_moved", "achieved_gb_s"}]}
+                  "median_s", "bytes_moved", "achieved_gb_s"[, "collective_s", "collective_bytes"]}],
+     "collectives": [{"op", "bytes", "ranks", "median_s", "times_s"}]}   (tensor parallelism only)
+
+Under tensor parallelism the times are rank 0's: its share of the work, and the collectives that wait for the
+others (rank 0's time inside them, and the bytes it sent, per step).
 
 `batch` holds the counts the planner's step model reads (`engine.profile_format.batch_shape`).
 """
@@ -49,6 +53,10 @@ MATMUL_SIZE = 2048
 # median 12% above its neighbours' (the fit then missed every such step a light workload served by 12%)
 SECONDS_PER_POINT_PER_PASS = 0.25
 MAX_TIMINGS_PER_PASS = 8
+# Message sizes (bytes) and repetitions of the collectives timed alone under tensor parallelism: from a decode
+# step's all-reduce of one token's hidden state (a few KB) to a long prefill's (MBs).
+COLLECTIVE_SIZES = [1 << k for k in range(10, 24, 2)]
+COLLECTIVE_REPEATS = 10
 # Row counts at which the linear layers are timed apart (`Profiler.linear_runs`): every count up to 8,
 # then denser than powers of two, since BLAS picks its kernels by row count.
 LINEAR_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256,
@@ -177,6 +185,8 @@ def fingerprint(llm: LLM) -> dict[str, Any]:
         "compute_dtype": llm.compute_dtype,
         "integrity": llm.config.integrity,
         "page_size": llm.config.page_size,
+        "tensor_parallel": llm.config.tensor_parallel,
+        "expert_parallel": llm.config.expert_parallel,
         **measure_peaks(llm.device, next(llm.model.parameters()).dtype),
     }
 
@@ -236,6 +246,8 @@ class Profiler:
         self.activation_peak_bytes: int | None = None
         self.linears: dict[str, list] | None = None
         self._pool_holds_real_kv = False
+        self._step_collectives: list[tuple[float, int]] = []     # per timed step: seconds and bytes in collectives
+        self.collectives: list[dict[str, Any]] | None = None     # the group's collectives alone, by message size
 
     def _tokens(self, count: int) -> list[int]:
         vocab = self.llm.model_config.vocab_size
@@ -289,10 +301,21 @@ class Profiler:
         return time.perf_counter() - start
 
     def _timed_step(self) -> tuple[float, SchedulerOutput]:
-        return self._seconds(self.llm.step), self.llm.last_output
+        stats = self.llm.model.group.stats
+        seconds, moved = stats.seconds, stats.bytes
+        elapsed = self._seconds(self.llm.step)
+        self._step_collectives.append((stats.seconds - seconds, stats.bytes - moved))
+        return elapsed, self.llm.last_output
 
     def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
-        return self._sample(kind, batch_shape(output), times)
+        """The sample of the timed steps; under tensor parallelism also the median time rank 0 spent in
+        collectives in one of them, and the bytes it sent into them (the same in every repetition)."""
+        sample = self._sample(kind, batch_shape(output), times)
+        timed, self._step_collectives = self._step_collectives[-len(times):], []
+        if self.llm.model.group.size > 1:
+            sample["collective_s"] = round(statistics.median(seconds for seconds, _ in timed), 7)
+            sample["collective_bytes"] = timed[-1][1]
+        return sample
 
     def _sample(self, kind: str, batch: dict[str, int], times: list[float]) -> dict[str, Any]:
         median = statistics.median(times)
@@ -423,7 +446,7 @@ class Profiler:
 
         def head(count: int) -> Callable[[], None]:
             states = torch.randn(count, hidden, dtype=dtype, device=self.llm.device)
-            return lambda: self.llm.model.compute_logits(states)
+            return lambda: self.llm.model.local_logits(states)     # a rank's share: the gather is communication
 
         rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
         return LinearRuns(rows, head_rows, [decoder(r) for r in rows] + [head(r) for r in head_rows])
@@ -501,8 +524,11 @@ class Profiler:
                 bar.update()
                 if progress is not None:
                     progress(label)
-        self.samples = [self._sample(timed[0]["kind"], timed[0]["batch"], [t for s in timed for t in s["times_s"]])
+        self.samples = [_merged(self._sample(timed[0]["kind"], timed[0]["batch"],
+                                             [t for s in timed for t in s["times_s"]]), timed)
                         for timed in zip(*passes)]
+        if self.llm.workers is not None:
+            self.collectives = self.llm.workers.time_collectives(COLLECTIVE_SIZES, COLLECTIVE_REPEATS, self.llm.device)
         for (label, _), sample in zip(jobs, self.samples):
             bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
                       file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout
@@ -525,7 +551,16 @@ class Profiler:
                      "max_kv_tokens": self.plan.max_kv_tokens},
             "linears": self.linears,
             "samples": self.samples,
+            **({"collectives": self.collectives} if self.collectives else {}),
         }
+
+
+def _merged(sample: dict[str, Any], passes: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """A point's sample over all passes, with the median of its passes' time in collectives where timed."""
+    if "collective_s" in passes[0]:
+        sample["collective_s"] = statistics.median(p["collective_s"] for p in passes)
+        sample["collective_bytes"] = passes[0]["collective_bytes"]
+    return sample
 
 
 @dataclass(frozen=True)

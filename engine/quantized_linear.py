@@ -142,6 +142,7 @@ class QuantizedExperts(GroupedExperts):
     def __init__(self, experts: Experts, fmt: WeightFormat, search: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        self.first_expert = experts.first_expert
         self.fmt = fmt
         for name in ("gate_up_proj", "down_proj"):
             parts = [quantize_linear_weight(matrix, fmt, search) for matrix in getattr(experts, name).data]

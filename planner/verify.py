@@ -89,7 +89,9 @@ def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any
                 "kv_dtype": fingerprint["kv_dtype"], "group_size": fingerprint.get("group_size") or 128,
                 "device": "cpu", "page_size": fingerprint["page_size"], "kv_cache_gib": kv_cache_gib,
                 "integrity": fingerprint.get("integrity", "ownership"), "num_threads": fingerprint.get("threads"),
-                "num_layers": fingerprint.get("num_layers"), "num_experts": fingerprint.get("num_experts")}
+                "num_layers": fingerprint.get("num_layers"), "num_experts": fingerprint.get("num_experts"),
+                "tensor_parallel": fingerprint.get("tensor_parallel", 1),
+                "expert_parallel": fingerprint.get("expert_parallel", False)}
     return LLM(**{**settings, **overrides})
 
 

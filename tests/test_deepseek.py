@@ -256,3 +256,28 @@ def test_a_kimi_wrapper_folder_serves_its_language_model(deepseek, tmp_path):
     tensors["model.vision_tower.patch_embed.proj.weight"] = torch.ones(8, 3, 2, 2)
     save_file(tensors, str(wrapper / "model.safetensors"))
     assert greedy(engine(wrapper), prompts[:2]) == expected[:2]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_give_transformers_tokens(deepseek, expert_parallel):
+    """MLA heads split over two ranks with the latent replicated; routed experts cut in half (tensor
+    parallel) or dealt out four a rank (expert parallel); a batch of all prompts."""
+    folder, _, prompts, expected = deepseek
+    with engine(folder, tensor_parallel=2, expert_parallel=expert_parallel, num_threads=1) as llm:
+        assert greedy(llm, prompts) == expected
+
+
+def test_each_rank_holds_the_planners_bytes_per_gpu_under_expert_parallelism(deepseek):
+    from engine.memory import kv_bytes_per_token, kv_layout
+    from planner.memory_plan import Parallelism, component_bytes_per_gpu
+
+    folder, _, _, _ = deepseek
+    with engine(folder, weights="bf16", kv_dtype="bf16", tensor_parallel=2, expert_parallel=True,
+                num_threads=1) as llm:
+        ranks, spec = llm.memory_by_rank(), llm.model_config
+    planned = component_bytes_per_gpu(spec, {}, Parallelism(gpus=2, expert_parallel=True))
+    per_token = kv_bytes_per_token(kv_layout(spec, "bf16", 2))
+    assert per_token == 2 * (32 + 8) * TINY_DEEPSEEK["num_hidden_layers"]        # the latent, on every rank
+    for rank in ranks:
+        assert rank["weight_bytes_by_component"] == {k: v for k, v in planned.items() if v}
+        assert rank["kv_cache_bytes"] == 128 * 8 * per_token

@@ -131,3 +131,28 @@ def test_splits_that_do_not_divide_are_refused_before_any_process_starts(tiny, t
         LLM(model=tiny, tensor_parallel=0)
     with pytest.raises(ConfigError, match="--weights native with --tensor-parallel 3"):
         LLM(model="smollm2-135m", weights="native", tensor_parallel=3)
+
+
+def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
+    """Each point carries rank 0's time inside collectives and the bytes it sent: per step an all-reduce of
+    the embeddings and two per layer (new tokens x hidden, fp32), and an all-gather of its logits' vocabulary
+    half per sampled row; the collectives timed alone fit the alpha-beta model."""
+    from planner.communication import fit_alpha_beta
+
+    out = tmp_path / "tp2.profile.json"
+    made = run_cli("profile", "--model", tiny, "--device", "cpu", "--threads", "1", "--tensor-parallel", "2",
+                   "--memory-gib", "0.01", "--prefill-tokens", "16", "48", "--batches", "1", "3",
+                   "--contexts", "32", "--repeats", "1", "--out", str(out), "--json", timeout=600)
+    assert made.returncode == 0, made.stderr
+    profile = json.loads(out.read_text())
+    assert profile["fingerprint"]["tensor_parallel"] == 2
+    hidden, layers, vocab = TINY["hidden_size"], TINY["num_hidden_layers"], TINY["vocab_size"]
+    for sample in profile["samples"]:
+        batch = sample["batch"]
+        new_tokens = batch["num_decodes"] + batch["prefill_tokens"]
+        sampled = batch["num_decodes"] + batch["num_prefills"]
+        assert sample["collective_bytes"] == 4 * ((1 + 2 * layers) * new_tokens * hidden + sampled * vocab // 2)
+        assert 0 < sample["collective_s"] < sample["median_s"]
+    for op in ("all_reduce", "all_gather"):
+        fit = fit_alpha_beta(profile["collectives"], op)
+        assert fit.alpha_s >= 0 and fit.beta_bytes_per_s > 1e6

@@ -60,10 +60,13 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """Runs a layer's routed experts grouped by expert; subclasses store them and say how one expert
-    multiplies its rows (`expert`)."""
+    multiplies its rows (`expert`). Under expert parallelism a rank holds `num_experts` of them from
+    `first_expert` on and leaves the pairs routed to the others to their ranks (the layer's all-reduce adds
+    them up)."""
 
     num_experts: int
     intermediate_size: int
+    first_expert: int = 0
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -71,8 +74,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights and ids [T, top_k] → the weighted sum of each token's experts [T, hidden]."""
         top_k = ids.shape[1]
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
+        local = ids.flatten() - self.first_expert
+        pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
+        order = pairs[local[pairs].argsort(stable=True)]
+        counts = torch.bincount(local[pairs], minlength=self.num_experts).tolist()
         pair_weights = weights.flatten()[order].to(x.dtype)
         tokens = order // top_k
         out = torch.zeros_like(x)

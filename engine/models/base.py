@@ -74,6 +74,9 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed_tokens.weight.dtype)
         return self.group.all_reduce(x)
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits (all of them on one device)."""
+        return linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.group.all_gather_last_dim(linear(hidden, weight)).float()
+        return self.group.all_gather_last_dim(self.local_logits(hidden)).float()
