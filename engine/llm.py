@@ -74,8 +74,9 @@ class LLM:
         self.compute_dtype = config.resolved_compute_dtype(on_gpu)
         self.workers: Workers | None = None
         group = SINGLE
-        if config.tensor_parallel > 1:
+        if config.tensor_parallel > 1 or config.expert_parallel:
             check_shardable(config.model, config)
+        if config.tensor_parallel > 1:
             self.workers = Workers(config, config.tensor_parallel, self.device)
             group = self.workers.group
         try:

@@ -406,7 +406,7 @@ def check_shardable(name: str, engine: EngineConfig) -> None:
     source = resolve(name)
     check_tensor_parallel(read_model_config(source).truncated(engine.num_layers, engine.num_experts),
                           engine.tensor_parallel, engine.expert_parallel)
-    if source.kind == "gguf" and engine.weights == "native":
+    if engine.tensor_parallel > 1 and source.kind == "gguf" and engine.weights == "native":
         raise ConfigError(f"--weights native with --tensor-parallel {engine.tensor_parallel}: the GGUF's Q4_1 "
                           f"groups would be cut across ranks; use --weights int4 (quantized per shard)")
 

@@ -211,7 +211,23 @@ def model_section(llm: LLM) -> dict[str, Any]:
         **_cost_fields(llm),
         # the pure-torch decode attention reads every decode's pages padded to the batch's longest
         "decode_padding_page": None if use_triton(head) else llm.config.page_size,
+        **_collective_fields(llm),
     }
+
+
+def _collective_fields(llm: LLM) -> dict[str, Any]:
+    """Under tensor parallelism: the step's collectives (the embedding's all-reduce, two a layer, the logits'
+    all-gather), the bytes of one token's hidden state in all the all-reduces, and of one sampled row's
+    logits share (the model's FLOP fields stay the whole model's: the planner takes a rank's share)."""
+    ranks = llm.config.tensor_parallel
+    if ranks == 1:
+        return {}
+    config, element = llm.model_config, next(llm.model.parameters()).element_size()
+    all_reduces = 1 + 2 * config.num_layers
+    head = llm.model.embed_tokens.weight if llm.model.lm_head is None else llm.model.lm_head.weight
+    return {"tensor_parallel": ranks, "collective_calls_per_step": all_reduces + 1,
+            "allreduce_bytes_per_token": all_reduces * config.hidden_size * element,
+            "gather_bytes_per_sequence": head.shape[0] * head.element_size()}
 
 
 def routed_experts(model: torch.nn.Module) -> list[GroupedExperts]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from engine.profile_format import PROFILE_VERSION, REGIMES
+from planner.communication import fit_alpha_beta
 from planner.errors import PlannerError
 from planner.files import read_json
 from planner.hardware import catalogue
@@ -37,13 +38,15 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
           **{name: (1e-3, 1.5, 0.1) for name in ("bandwidth_efficiency", "gemv_efficiency", "kv_bandwidth_efficiency",
                                                   "dequant_efficiency", "compute_efficiency", "attention_efficiency")},
           "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
-          "expert_overhead_s": (0.0, 0.05, 1e-4)}
+          "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
+          "link_efficiency": (0.01, 1.5, 0.1)}
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
-           "expert_overhead_s": "expert_calls"}
+           "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
+           "link_efficiency": "collective_wire_bytes"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -64,21 +67,27 @@ def samples_hash(profile: dict[str, Any]) -> str:
 
 
 def profile_costs(model: dict[str, Any]) -> ModelCosts:
-    """The step costs of the profiled model, from the bytes its engine allocated. Profiles of dense
-    Llama-family models made before MLA and MoE came lack the cost fields: theirs follow from the shape."""
+    """The step costs of the profiled model (of rank 0's share under tensor parallelism), from the bytes its
+    engine allocated. Profiles of dense Llama-family models made before MLA and MoE came lack the cost
+    fields: theirs follow from the shape."""
     layers, heads, head_dim = model["num_layers"], model["num_heads"], model["head_dim"]
+    ranks = model.get("tensor_parallel", 1)
     experts = model.get("num_experts", 0) * model.get("num_moe_layers", 0)
     expert_bytes = model.get("expert_weight_bytes", 0)
     return ModelCosts(
         dense_weight_bytes=model["linear_weight_bytes"] - experts * expert_bytes + model["head_weight_bytes"],
-        linear_flops_per_token=model.get("linear_flops_per_token", 2.0 * model["num_linear_parameters"]),
-        attention_flops_per_pair=model.get("attention_flops_per_pair", 4.0 * layers * heads * head_dim),
-        prefill_attention_flops_per_pair=model.get("prefill_attention_flops_per_pair"),
-        prefill_context_flops_per_token=model.get("prefill_context_flops_per_token", 0.0),
+        linear_flops_per_token=model.get("linear_flops_per_token", 2.0 * model["num_linear_parameters"]) / ranks,
+        attention_flops_per_pair=model.get("attention_flops_per_pair", 4.0 * layers * heads * head_dim) / ranks,
+        prefill_attention_flops_per_pair=(None if model.get("prefill_attention_flops_per_pair") is None
+                                          else model["prefill_attention_flops_per_pair"] / ranks),
+        prefill_context_flops_per_token=model.get("prefill_context_flops_per_token", 0.0) / ranks,
         expert_weight_bytes=expert_bytes, num_moe_layers=model.get("num_moe_layers", 0),
         num_experts=model.get("num_experts", 0), experts_per_token=model.get("experts_per_token", 0),
         kv_bytes_per_token=model["kv_bytes_per_token"],
-        head_flops_per_sequence=2.0 * model["vocab_size"] * model["hidden_size"],
+        head_flops_per_sequence=2.0 * model["vocab_size"] * model["hidden_size"] / ranks,
+        tensor_parallel=ranks, collective_calls_per_step=model.get("collective_calls_per_step", 0),
+        allreduce_bytes_per_token=model.get("allreduce_bytes_per_token", 0.0),
+        gather_bytes_per_sequence=model.get("gather_bytes_per_sequence", 0.0),
         fused_max_tokens=model.get("fused_max_tokens"),
         dequantized_weight_bytes=model.get("dequantized_weight_bytes", 0) if model.get("fused_max_tokens")
         is not None else 0,
@@ -86,12 +95,14 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
     )
 
 
-def profile_peaks(fingerprint: dict[str, Any]) -> Peaks:
-    """Catalogued peaks for a known GPU; the profile's own measurements for a CPU or an unknown device."""
+def profile_peaks(fingerprint: dict[str, Any], collectives: list[dict[str, Any]] | None = None) -> Peaks:
+    """Catalogued peaks for a known GPU; the profile's own measurements for a CPU or an unknown device. Under
+    tensor parallelism the link's bandwidth is the one its collectives reached timed alone (`planner.communication`)."""
+    link = fit_alpha_beta(collectives, "all_reduce").beta_bytes_per_s if collectives else None
     spec = catalogue().get(fingerprint.get("hardware") or "")
     if spec is not None and not spec.calibrated:
-        return Peaks(spec.bandwidth_bytes_per_s, spec.peak_flops(fingerprint["weights"]))
-    return Peaks(fingerprint["copy_bandwidth_bytes_per_s"], fingerprint["matmul_flops_per_s"])
+        return Peaks(spec.bandwidth_bytes_per_s, spec.peak_flops(fingerprint["weights"]), link)
+    return Peaks(fingerprint["copy_bandwidth_bytes_per_s"], fingerprint["matmul_flops_per_s"], link)
 
 
 @dataclass(frozen=True)
@@ -102,31 +113,64 @@ class Points:
     kinds: np.ndarray
     terms: StepTerms
     seconds: np.ndarray
+    collective_seconds: np.ndarray | None = None    # tensor parallelism: each step's time inside collectives
 
     @classmethod
     def of(cls, samples: list[dict[str, Any]], costs: ModelCosts, linears: MeasuredLinears | None = None) -> Points:
         terms = [step_terms(costs, BatchShape(**sample["batch"]), linears) for sample in samples]
+        timed = all("collective_s" in sample for sample in samples)
         return cls(np.array([sample["kind"] for sample in samples]),
                    StepTerms(**{item.name: np.array([getattr(t, item.name) for t in terms], dtype=float)
                                 for item in fields(StepTerms)}),
-                   np.array([sample["median_s"] for sample in samples], dtype=float))
+                   np.array([sample["median_s"] for sample in samples], dtype=float),
+                   np.array([sample["collective_s"] for sample in samples], dtype=float) if timed else None)
 
     def subset(self, mask: np.ndarray) -> Points:
         return Points(self.kinds[mask], StepTerms(**{item.name: getattr(self.terms, item.name)[mask]
-                                                     for item in fields(StepTerms)}), self.seconds[mask])
+                                                     for item in fields(StepTerms)}), self.seconds[mask],
+                      None if self.collective_seconds is None else self.collective_seconds[mask])
 
 
 def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
     return combine(points.terms, peaks, params)
 
 
+def free_parameters(points: Points) -> np.ndarray:
+    """Which coefficients the points can say anything about: those whose term is not zero everywhere."""
+    return np.array([bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
+                     for name in PARAMETER_NAMES])
+
+
+COMMUNICATION = ("collective_latency_s", "link_efficiency")
+
+
+def fit_communication(points: Points, peaks: Peaks) -> dict[str, float]:
+    """The collectives' coefficients from the time each step spent inside them (a tensor-parallel profile
+    times it per point): a step's collectives are as many at every batch, so from the step times alone their
+    latency could not be told from the step's fixed overhead."""
+    terms, measured = points.terms, points.collective_seconds
+    wire = terms.collective_wire_bytes / (peaks.link_bytes_per_s or np.inf)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return (x[0] * terms.collective_calls + wire / x[1]) / measured - 1.0
+
+    lower, upper, scale = zip(*(BOUNDS[name] for name in COMMUNICATION))
+    result = least_squares(residuals, np.array([float(np.min(measured / terms.collective_calls)) / 2, 1.0]),
+                           bounds=(lower, upper), loss="soft_l1", f_scale=0.05, x_scale=scale)
+    return dict(zip(COMMUNICATION, (float(value) for value in result.x)))
+
+
 def fit(points: Points, peaks: Peaks) -> StepParameters:
     """Robust least squares on relative errors, from several starting points (the max() makes it
     non-smooth). A coefficient whose term is zero at every point (no widened weights in a float profile)
-    says nothing about the data: it keeps its default rather than wandering."""
-    free = np.array([bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
-                     for name in PARAMETER_NAMES])
-    defaults = np.array([getattr(StepParameters(), name) for name in PARAMETER_NAMES])
+    says nothing about the data: it keeps its default rather than wandering. Where the profile timed the
+    collectives inside each step, their coefficients are fitted to those times first, then held."""
+    free = free_parameters(points)
+    base = StepParameters()
+    if points.collective_seconds is not None and points.terms.collective_calls.any():
+        base = replace(base, **fit_communication(points, peaks))
+        free &= np.array([name not in COMMUNICATION for name in PARAMETER_NAMES])
+    defaults = np.array([getattr(base, name) for name in PARAMETER_NAMES])
     lower, upper, scale = (np.array([BOUNDS[name][column] for name in PARAMETER_NAMES])[free] for column in range(3))
 
     def full(x: np.ndarray) -> np.ndarray:
@@ -140,7 +184,8 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
     best = None
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
         start = {"step_overhead_s": min(points.seconds) / 4, "seq_overhead_s": 1e-5, "overlap": overlap,
-                 "linear_scale": 1.0, "chunk_overhead_s": 1e-3, "expert_overhead_s": 1e-4}
+                 "linear_scale": 1.0, "chunk_overhead_s": 1e-3, "expert_overhead_s": 1e-4,
+                 "collective_latency_s": 1e-4, "link_efficiency": 1.0}
         x0 = np.array([start.get(name, efficiency) for name in PARAMETER_NAMES])[free]
         result = least_squares(residuals, x0, bounds=(lower, upper), loss="soft_l1", f_scale=0.05, x_scale=scale,
                                max_nfev=4000)
@@ -169,7 +214,7 @@ def fit_report(points: Points, peaks: Peaks, max_mape: float) -> dict[str, Any]:
               for kind in REGIMES if (points.kinds == kind).any()}
     train = holdout_split(points)
     holdout = None
-    if train.sum() >= len(PARAMETER_NAMES) and (~train).any():
+    if train.sum() >= free_parameters(points).sum() and (~train).any():
         holdout = round(mape_pct(points.subset(~train), peaks, fit(points.subset(train), peaks)), 3)
     worst = max(report, key=report.get)
     if report[worst] > max_mape:
@@ -182,7 +227,7 @@ def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[s
     """Fits a profile; raises PlannerError when any regime's error is above `max_mape` percent."""
     fingerprint = profile["fingerprint"]
     costs = profile_costs(profile["model"])
-    peaks = profile_peaks(fingerprint)
+    peaks = profile_peaks(fingerprint, profile.get("collectives"))
     document = {
         "version": CALIBRATION_VERSION,
         "fingerprint": fingerprint,

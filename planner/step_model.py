@@ -22,6 +22,11 @@ it reads those experts' weights, and each costs a fixed `expert_overhead` (gathe
     t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
                 + expert_overhead × experts run + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
+Under tensor parallelism every term above is one GPU's share, and the step adds its collectives, which
+wait for the slowest GPU and do not overlap the compute that needs their result:
+
+    t_communication = collective_latency × collectives + wire bytes / (link_efficiency × link bandwidth)
+
 A step of one new token multiplies by vectors, not matrices: BLAS and GPU libraries run other kernels
 for it (GEMV), which stream the weights at their own rate. Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
 converts every element (on a CPU that conversion, not DRAM, sets the pace). Attention FLOPs too: its kernels reach a different share of the peak than the GEMMs do
@@ -77,6 +82,12 @@ class ModelCosts:
     # the same), and every cached latent of a chunk's context is up-projected again (per context token)
     prefill_attention_flops_per_pair: float | None = None
     prefill_context_flops_per_token: float = 0.0
+    # Tensor parallelism over `tensor_parallel` GPUs: each step's all-reduces (the embedding's and two a layer)
+    # carry every new token's hidden state, and the logits' all-gather each sampled row's vocabulary share.
+    tensor_parallel: int = 1
+    collective_calls_per_step: int = 0
+    allreduce_bytes_per_token: float = 0.0
+    gather_bytes_per_sequence: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -148,6 +159,8 @@ class StepParameters:
     linear_scale: float = 1.0       # measured linears inside the step against timed alone (cache, threads)
     chunk_overhead_s: float = 0.0   # per prefill chunk: its own attention call in every layer, its mask, its pages
     expert_overhead_s: float = 0.0  # per routed expert run in a MoE layer: its gather, launch and scatter
+    collective_latency_s: float = 0.0   # per collective: the alpha of alpha-beta, with the ranks' skew
+    link_efficiency: float = 1.0        # share of the link's bandwidth the collectives reach
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -155,7 +168,7 @@ class StepParameters:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{item.name} must be a finite number >= 0, got {value!r}")
         for name in ("bandwidth_efficiency", "gemv_efficiency", "kv_bandwidth_efficiency", "dequant_efficiency",
-                     "compute_efficiency", "attention_efficiency"):
+                     "compute_efficiency", "attention_efficiency", "link_efficiency"):
             if not 0 < getattr(self, name) <= 1.5:
                 raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
         if self.overlap > 1:
@@ -211,10 +224,12 @@ class Peaks:
 
     bandwidth_bytes_per_s: float
     flops_per_s: float
+    link_bytes_per_s: float | None = None   # what one GPU sends per second to the others (None: one device)
 
     def __post_init__(self) -> None:
-        if not (self.bandwidth_bytes_per_s > 0 and self.flops_per_s > 0):
-            raise ValueError(f"peak bandwidth and FLOP/s must be positive, got {self}")
+        if not (self.bandwidth_bytes_per_s > 0 and self.flops_per_s > 0
+                and (self.link_bytes_per_s is None or self.link_bytes_per_s > 0)):
+            raise ValueError(f"peak bandwidth, FLOP/s and link bandwidth must be positive, got {self}")
 
 
 @dataclass(frozen=True)
@@ -229,6 +244,8 @@ class StepTerms:
     num_prefills: int = 0
     measured_linear_s: float = 0.0      # with MeasuredLinears: the linears' time, in place of their bytes and FLOPs
     expert_calls: float = 0.0           # routed experts run, over all MoE layers (expected)
+    collective_calls: float = 0.0       # tensor parallelism: collectives per step
+    collective_wire_bytes: float = 0.0  # what each GPU sends in them (ring algorithms)
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -249,9 +266,10 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     attention = costs.attention_flops_per_pair * decode_read + prefill_pair * batch.prefill_pairs
     expansion = costs.prefill_context_flops_per_token * (batch.prefill_context_tokens - batch.prefill_tokens)
     experts = costs.experts_touched(batch.new_tokens)
+    calls, wire = collective_terms(costs, batch)
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
-                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts)
+                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts, calls, wire)
     linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
               + expansion)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
@@ -259,7 +277,18 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, batch.num_prefills, 0.0, experts)
+                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire)
+
+
+def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float]:
+    """Collectives per step and the bytes each GPU sends in them: ring all-reduces of the new tokens' hidden
+    states, and the all-gather of each sequence's logits share (`planner.communication.wire_bytes`)."""
+    ranks = costs.tensor_parallel
+    if ranks == 1 or not costs.collective_calls_per_step:
+        return 0.0, 0.0
+    all_reduce = 2.0 * (ranks - 1) / ranks * costs.allreduce_bytes_per_token * batch.new_tokens
+    all_gather = (ranks - 1) * costs.gather_bytes_per_sequence * batch.num_seqs
+    return float(costs.collective_calls_per_step), all_reduce + all_gather
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
@@ -273,9 +302,12 @@ def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
     compute = (terms.linear_flops / params.compute_efficiency
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     shorter = (memory + compute - abs(memory - compute)) / 2
+    communication = (params.collective_latency_s * terms.collective_calls
+                     + terms.collective_wire_bytes / (params.link_efficiency * (peaks.link_bytes_per_s or math.inf)))
     return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
             + params.chunk_overhead_s * terms.num_prefills + params.expert_overhead_s * terms.expert_calls
-            + params.linear_scale * terms.measured_linear_s + memory + compute - params.overlap * shorter)
+            + params.linear_scale * terms.measured_linear_s + memory + compute - params.overlap * shorter
+            + communication)
 
 
 def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape,

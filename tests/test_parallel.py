@@ -131,6 +131,8 @@ def test_splits_that_do_not_divide_are_refused_before_any_process_starts(tiny, t
         LLM(model=tiny, tensor_parallel=0)
     with pytest.raises(ConfigError, match="--weights native with --tensor-parallel 3"):
         LLM(model="smollm2-135m", weights="native", tensor_parallel=3)
+    with pytest.raises(ConfigError, match="--expert-parallel deals routed experts .* has no routed experts"):
+        LLM(model=tiny, expert_parallel=True, tensor_parallel=2)
 
 
 def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
@@ -156,3 +158,23 @@ def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
     for op in ("all_reduce", "all_gather"):
         fit = fit_alpha_beta(profile["collectives"], op)
         assert fit.alpha_s >= 0 and fit.beta_bytes_per_s > 1e6
+
+
+def test_the_calibration_fits_a_two_rank_profile(tmp_path, tmp_path_factory):
+    """A model big enough that its steps are more than collectives (8 layers of 256), profiled over two ranks:
+    the collectives' latency and link efficiency are fitted to the time each step spent in them, the rest to
+    the step times; every regime within the calibration's 15%."""
+    from planner.calibration import MAX_MAPE_PCT, calibrate
+
+    path = write_config(tmp_path_factory, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                        num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
+    out = tmp_path / "tp2.profile.json"
+    made = run_cli("profile", "--model", path, "--device", "cpu", "--threads", "1", "--tensor-parallel", "2",
+                   "--memory-gib", "0.05", "--prefill-tokens", "16", "64", "128", "256", "512",
+                   "--batches", "1", "2", "4", "8", "16", "--contexts", "32", "128", "256", "--repeats", "2",
+                   "--out", str(out), "--json", timeout=900)
+    assert made.returncode == 0, made.stderr
+    document = calibrate(json.loads(out.read_text()))
+    errors = {k: v for k, v in document.items() if k.startswith("mape_")}
+    assert all(error < MAX_MAPE_PCT for error in errors.values()), errors
+    assert document["parameters"]["collective_latency_s"] > 0 and document["peaks"]["link_bytes_per_s"] > 0
