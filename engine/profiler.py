@@ -244,11 +244,12 @@ def _cost_fields(llm: LLM) -> dict[str, Any]:
               "linear_flops_per_token": config.linear_flops_per_token, **config.attention_flops()}
     experts = routed_experts(llm.model)
     if experts:
-        ffn = config.ffn
+        ffn, local = config.ffn, experts[0].num_experts         # under expert parallelism: this rank's share
         allocated = sum(t.nbytes for module in experts for t in [*module.parameters(), *module.buffers()])
         fields |= {"num_moe_layers": ffn.moe_layers, "num_experts": ffn.num_experts,
                    "experts_per_token": ffn.experts_per_token,
-                   "expert_weight_bytes": allocated / (ffn.moe_layers * ffn.num_experts)}
+                   "expert_weight_bytes": allocated / (ffn.moe_layers * local),
+                   **({"local_experts": local} if local != ffn.num_experts else {})}
     return fields
 
 

@@ -72,7 +72,7 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
     fields: theirs follow from the shape."""
     layers, heads, head_dim = model["num_layers"], model["num_heads"], model["head_dim"]
     ranks = model.get("tensor_parallel", 1)
-    experts = model.get("num_experts", 0) * model.get("num_moe_layers", 0)
+    experts = (model.get("local_experts") or model.get("num_experts", 0)) * model.get("num_moe_layers", 0)
     expert_bytes = model.get("expert_weight_bytes", 0)
     return ModelCosts(
         dense_weight_bytes=model["linear_weight_bytes"] - experts * expert_bytes + model["head_weight_bytes"],
@@ -83,6 +83,7 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
         prefill_context_flops_per_token=model.get("prefill_context_flops_per_token", 0.0) / ranks,
         expert_weight_bytes=expert_bytes, num_moe_layers=model.get("num_moe_layers", 0),
         num_experts=model.get("num_experts", 0), experts_per_token=model.get("experts_per_token", 0),
+        local_experts=model.get("local_experts"),
         kv_bytes_per_token=model["kv_bytes_per_token"],
         head_flops_per_sequence=2.0 * model["vocab_size"] * model["hidden_size"] / ranks,
         tensor_parallel=ranks, collective_calls_per_step=model.get("collective_calls_per_step", 0),

@@ -272,9 +272,18 @@ def test_each_rank_holds_the_planners_bytes_per_gpu_under_expert_parallelism(dee
     from planner.memory_plan import Parallelism, component_bytes_per_gpu
 
     folder, _, _, _ = deepseek
+    from engine.profiler import model_section
+    from planner.calibration import profile_costs
+
     with engine(folder, weights="bf16", kv_dtype="bf16", tensor_parallel=2, expert_parallel=True,
                 num_threads=1) as llm:
-        ranks, spec = llm.memory_by_rank(), llm.model_config
+        ranks, spec, section = llm.memory_by_rank(), llm.model_config, model_section(llm)
+    # a profile's costs are rank 0's: its 4 experts a layer, each read whole when a token routes to it
+    routed = ranks[0]["weight_bytes_by_component"]["routed_experts"]
+    assert section["local_experts"] == 4 and section["expert_weight_bytes"] * 4 * 2 == routed
+    costs = profile_costs(section)
+    assert costs.dense_weight_bytes == section["linear_weight_bytes"] - routed + section["head_weight_bytes"]
+    assert costs.experts_touched(10 ** 6) == 2 * 4          # every local expert of both MoE layers
     planned = component_bytes_per_gpu(spec, {}, Parallelism(gpus=2, expert_parallel=True))
     per_token = kv_bytes_per_token(kv_layout(spec, "bf16", 2))
     assert per_token == 2 * (32 + 8) * TINY_DEEPSEEK["num_hidden_layers"]        # the latent, on every rank
