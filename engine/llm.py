@@ -10,13 +10,13 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
+from engine.distributed import MEMORY_QUERY, SINGLE, Workers
 from engine.errors import ConfigError, RequestError
 from engine.integrity import IntegrityChecker
 from engine.kv_cache import PagedKVCache
-from engine.distributed import MEMORY_QUERY, SINGLE, Workers
 from engine.loader import check_shardable, load_model
-from engine.quantized_linear import allocated_bytes_by_component
 from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
+from engine.quantized_linear import allocated_bytes_by_component
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, SamplingParams, Sequence

@@ -193,7 +193,7 @@ def fingerprint(llm: LLM) -> dict[str, Any]:
 
 def model_section(llm: LLM) -> dict[str, Any]:
     config = llm.model_config
-    head = llm.model.embed_tokens.weight if llm.model.lm_head is None else llm.model.lm_head.weight
+    head = llm.model.head_weight
     return {
         "name": config.name, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn.dense_intermediate, "num_heads": config.attention.num_heads,
@@ -224,7 +224,7 @@ def _collective_fields(llm: LLM) -> dict[str, Any]:
         return {}
     config, element = llm.model_config, next(llm.model.parameters()).element_size()
     all_reduces = 1 + 2 * config.num_layers
-    head = llm.model.embed_tokens.weight if llm.model.lm_head is None else llm.model.lm_head.weight
+    head = llm.model.head_weight
     return {"tensor_parallel": ranks, "collective_calls_per_step": all_reduces + 1,
             "allreduce_bytes_per_token": all_reduces * config.hidden_size * element,
             "gather_bytes_per_sequence": head.shape[0] * head.element_size()}

@@ -57,6 +57,7 @@ from dataclasses import dataclass, fields
 
 from engine.memory import ceil_div
 from engine.profile_format import expected_experts_touched
+from planner.communication import wire_bytes
 
 
 @dataclass(frozen=True)
@@ -286,9 +287,9 @@ def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float
     ranks = costs.tensor_parallel
     if ranks == 1 or not costs.collective_calls_per_step:
         return 0.0, 0.0
-    all_reduce = 2.0 * (ranks - 1) / ranks * costs.allreduce_bytes_per_token * batch.new_tokens
-    all_gather = (ranks - 1) * costs.gather_bytes_per_sequence * batch.num_seqs
-    return float(costs.collective_calls_per_step), all_reduce + all_gather
+    return float(costs.collective_calls_per_step), (
+        wire_bytes("all_reduce", costs.allreduce_bytes_per_token * batch.new_tokens, ranks)
+        + wire_bytes("all_gather", costs.gather_bytes_per_sequence * batch.num_seqs, ranks))
 
 
 def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:

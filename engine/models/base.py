@@ -74,9 +74,14 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(local.clamp(0, rows - 1)) * inside[:, None].to(self.embed_tokens.weight.dtype)
         return self.group.all_reduce(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's matrix: the embeddings' when tied (this rank's vocabulary slice)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits (all of them on one device)."""
-        return linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return linear(hidden, self.head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather_last_dim(self.local_logits(hidden)).float()
