@@ -1,10 +1,12 @@
 """Tensor parallelism over `torch.distributed`: one process per rank on this node, gloo on CPU, NCCL on CUDA.
 
 Rank 0 is the process that built the `LLM`: it owns the scheduler, the block manager and the integrity table,
-and before every forward pass it broadcasts the step's plan (`StepPlan`: token ids, positions, cache slots,
-block tables; plain lists). Ranks 1..N-1 are worker processes the engine spawns itself (no `torchrun`); each
-holds its shard of the weights and of the KV pool (its attention heads), runs the same forward pass on the
-plan, and meets the others in the collectives: one all-reduce after attention and one after the feed-forward
+and before every forward pass it broadcasts the step's plan (`engine.step_plan.StepPlan`: token ids,
+positions, cache slots, block tables; plain lists). With integrity checks on, every rank checks the plan's
+tables against its own record and the ranks agree on the violations in one small all-reduce before the
+forward pass (`engine.integrity.agree`). Ranks 1..N-1 are worker processes the engine spawns itself (no
+`torchrun`); each holds its shard of the weights and of the KV pool (its attention heads), runs the same
+forward pass on the plan, and meets the others in the collectives: one all-reduce after attention and one after the feed-forward
 of every layer, one after the vocab-parallel embedding, one all-gather of the vocab-parallel logits.
 
 Several nodes, or `torchrun`, would launch the same `worker_main` with their own rank and a shared address
@@ -82,25 +84,16 @@ class TensorGroup:
         self._timed(x, lambda: dist.all_gather(parts, x))
         return torch.cat(parts, dim=-1)
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The integrity checks' agreement; not in `stats`, which count the model's own collectives."""
+        if self.size > 1:
+            if dist.get_backend() == "nccl":
+                x = x.cuda()            # this rank's device (`join_group` set it)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
 
 SINGLE = TensorGroup()
-
-
-@dataclass
-class StepPlan:
-    """One forward pass as every rank runs it: flat new tokens (decodes first), their cache slots, the
-    decodes' block tables and context lengths, each prefill chunk as (first row, tokens, context length,
-    pages), and the rows whose logits are wanted (None: every row)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decode_tables: list[list[int]]
-    decode_lens: list[int]
-    prefills: list[tuple[int, int, int, list[int]]]
-    logit_rows: list[int] | None
-    calibrate_kv: bool = False          # the FP8 scale calibration's prefill: each rank sets its own scales
-    fail_rank: int | None = None        # fault injection: this worker rank raises instead of running the step
 
 
 def free_port() -> int:

@@ -9,6 +9,11 @@ bookkeeping (the block manager's tables, not the integrity record beside them) o
     page_out_of_range   a table entry names a page that does not exist
     bit_flip            one bit of a sealed (full) page's K or V bytes flips
     fp8_scale           an FP8 KV scale is overwritten (every page of its layer then reads wrong)
+
+Under tensor parallelism a fault can strike a worker rank instead (`inject(..., rank=r)`): rank 0 picks the
+victim and sends a `WorkerFault` with the next plan, and the worker `strike`s its own state: its record of
+page owners (use_after_free, double_allocation), its copy of the plan's tables (foreign_page,
+page_out_of_range), its shard of the KV pool (bit_flip) or its scales (fp8_scale).
 """
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.integrity import FREE, PageRecord
+from engine.kv_cache import PagedKVCache
 from engine.llm import LLM
 from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.step_plan import StepPlan
 
 FAULT_KINDS = ("use_after_free", "foreign_page", "double_allocation", "page_out_of_range", "bit_flip",
                "fp8_scale")
@@ -42,10 +50,48 @@ def _full_pages(llm: LLM, seq: Sequence) -> list[int]:
     return llm.block_manager.block_table(seq.seq_id)[:seq.num_computed_tokens // llm.block_manager.page_size]
 
 
-def inject(llm: LLM, kind: str, rng: random.Random) -> Fault | None:
-    """Injects one fault of `kind` into requests chosen by `rng`; None when none can take it now."""
+@dataclass(frozen=True)
+class WorkerFault:
+    """A fault for worker `rank` to strike on its own state, in the first step where it can."""
+
+    rank: int
+    kind: str
+    seq_id: int         # the victim (-1 for fp8_scale: every holder)
+    page: int           # the victim's page the fault concerns
+    value: int          # foreign_page / page_out_of_range: the page written over `page`; double_allocation: the
+                        # second owner; bit_flip / fp8_scale: the seed that picks the bit or the scale
+
+
+def strike(fault: WorkerFault, plan: StepPlan, record: PageRecord, kv_cache: PagedKVCache) -> bool:
+    """Applies `fault` to a worker's record, plan, pool or scales; False while its victim is not in the plan."""
+    rng = random.Random(fault.value)
+    if fault.kind in ("use_after_free", "double_allocation"):
+        owner = FREE if fault.kind == "use_after_free" else fault.value
+        record.apply([(fault.page, owner, int(record.epochs[fault.page]) + 1)])
+    elif fault.kind in ("foreign_page", "page_out_of_range"):
+        if fault.seq_id not in plan.seq_ids:
+            return False
+        table = plan.tables()[plan.seq_ids.index(fault.seq_id)]
+        if fault.page not in table:
+            return False
+        table[table.index(fault.page)] = fault.value
+    elif fault.kind == "bit_flip":
+        pool = rng.choice(kv_cache.pools)
+        page_bytes = pool.view(torch.uint8)[rng.randrange(pool.shape[0]), fault.page].view(-1)
+        page_bytes[rng.randrange(page_bytes.numel())] ^= 1 << rng.randrange(8)
+    else:
+        scales = kv_cache.scales[0]
+        scales[rng.randrange(scales.shape[0]), rng.randrange(scales.shape[1])] *= 2.0
+    return True
+
+
+def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | None:
+    """Injects one fault of `kind` into requests chosen by `rng`, on rank 0's state or on worker `rank`'s;
+    None when none can take it now."""
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault kind {kind!r} (choose from {', '.join(FAULT_KINDS)})")
+    if rank:
+        return _inject_on_worker(llm, kind, rng, rank)
     manager = llm.block_manager
     holders = _holders(llm)
     if kind == "fp8_scale":
@@ -87,6 +133,41 @@ def inject(llm: LLM, kind: str, rng: random.Random) -> Fault | None:
     return _fault(kind, [victim], page)
 
 
+def _inject_on_worker(llm: LLM, kind: str, rng: random.Random, rank: int) -> Fault | None:
+    _check_worker_rank(llm, rank)
+    holders = _holders(llm)
+    seed = rng.randrange(1 << 31)
+    if kind == "fp8_scale":
+        if not llm.kv_cache.is_fp8 or not holders:
+            return None
+        llm.runner.worker_fault = WorkerFault(rank, kind, -1, -1, seed)
+        return _fault(kind, holders, None)
+    candidates = [seq for seq in holders if _full_pages(llm, seq)] if kind == "bit_flip" else holders
+    if not candidates or (kind in ("foreign_page", "double_allocation") and len(holders) < 2):
+        return None
+    victim = rng.choice(candidates)
+    table = llm.block_manager.block_table(victim.seq_id)
+    page = rng.choice(_full_pages(llm, victim) if kind == "bit_flip" else table)
+    others = [seq for seq in holders if seq is not victim]
+    num_pages = llm.block_manager.num_pages
+    if kind == "foreign_page":
+        value = rng.choice(llm.block_manager.block_table(rng.choice(others).seq_id))
+    elif kind == "double_allocation":
+        value = rng.choice(others).seq_id
+    elif kind == "page_out_of_range":
+        value = rng.choice((-1 - rng.randrange(num_pages), num_pages + rng.randrange(num_pages)))
+    else:
+        value = seed
+    llm.runner.worker_fault = WorkerFault(rank, kind, victim.seq_id, page, value)
+    return _fault(kind, [victim], page)
+
+
+def _check_worker_rank(llm: LLM, rank: int) -> None:
+    size = llm.config.tensor_parallel
+    if not 0 < rank < size:
+        raise ValueError(f"worker rank must be in 1..{size - 1}, got {rank!r}")
+
+
 def _fault(kind: str, victims: list[Sequence], page: int | None) -> Fault:
     return Fault(kind, tuple(seq.seq_id for seq in victims), page,
                  {seq.seq_id: len(seq.output_token_ids) for seq in victims})
@@ -102,8 +183,9 @@ class TrialResult:
 
 
 def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], reference: list[list[int]],
-              kind: str, rng: random.Random, earliest_step: int = 1) -> TrialResult:
-    """Runs the requests to completion with one fault injected after a random step; compares with `reference`."""
+              kind: str, rng: random.Random, earliest_step: int = 1, rank: int = 0) -> TrialResult:
+    """Runs the requests to completion with one fault injected after a random step (on `rank`'s state);
+    compares with `reference`."""
     ids = [llm.add_request(prompt, request_params) for prompt, request_params in zip(prompts, params)]
     outputs: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
@@ -114,7 +196,7 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
             outputs[result.request_id], finish[result.request_id] = result.token_ids, result.finish_reason
         step += 1
         if fault is None and step >= strike_at and llm.has_unfinished():
-            fault = inject(llm, kind, rng)
+            fault = inject(llm, kind, rng, rank)
     manager = llm.block_manager
     leaked = manager.num_pages - manager.num_free_pages - len(manager.quarantined)
     if fault is None:
@@ -130,7 +212,5 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
 def crash_worker(llm: LLM, rank: int) -> None:
     """Makes tensor-parallel worker `rank` raise in the next step, as a bug or a lost device would: the engine
     must end with that worker's error, not hang."""
-    size = llm.config.tensor_parallel
-    if not 0 < rank < size:
-        raise ValueError(f"worker rank must be in 1..{size - 1}, got {rank!r}")
+    _check_worker_rank(llm, rank)
     llm.runner.fail_rank = rank

@@ -29,11 +29,15 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import INTEGRITY_MODES
+from engine.distributed import TensorGroup
 from engine.kv_cache import PagedKVCache
 from engine.scheduler import ScheduledSequence
+from engine.step_plan import StepPlan
 
 FREE = -1
 CHECKSUM_CHUNK_PAGES = 64
+KIND_CODES = {"ownership": 1, "checksum": 2, "fp8_scale": 3}      # the agreement's encoding; the worst wins
+KINDS = {code: kind for kind, code in KIND_CODES.items()}
 
 log = logging.getLogger("engine.integrity")
 
@@ -49,14 +53,18 @@ class Violation:
     found_owner: int | None = None
     expected_epoch: int | None = None
     found_epoch: int | None = None
+    rank: int = 0               # the tensor-parallel rank whose record or shard failed
 
     def describe(self) -> str:
+        where = f" on rank {self.rank}" if self.rank else ""
+        if self.kind == "ownership" and self.page is None:
+            return f"request {self.seq_id}: its block table fails the ownership check{where}"
         if self.kind == "ownership":
             return (f"request {self.seq_id}: page {self.page} expected owner {self.expected_owner} epoch "
-                    f"{self.expected_epoch}, found owner {self.found_owner} epoch {self.found_epoch}")
+                    f"{self.expected_epoch}, found owner {self.found_owner} epoch {self.found_epoch}{where}")
         if self.kind == "checksum":
-            return f"request {self.seq_id}: sealed page {self.page} (owner {self.found_owner}) fails its checksum"
-        return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy"
+            return f"request {self.seq_id}: sealed page {self.page} fails its checksum{where}"
+        return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy{where}"
 
 
 def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> torch.Tensor:
@@ -85,28 +93,26 @@ def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: torch.T
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=pages.device)
 
 
-class IntegrityChecker:
-    """The device record of who owns which page, and the checks of a step against it.
+class PageRecord:
+    """The device record of who owns which page, and the checks of block tables against it.
 
-    It is the block manager's guard: the manager reports every grant and release to it, and asks it,
-    when freeing a table, which pages the sequence really holds.
+    Rank 0's `IntegrityChecker` keeps it from the block manager's grants and releases; a tensor-parallel
+    worker keeps its own from the updates rank 0 sends with each plan, and checks the plan's tables against
+    it (and, in `full` mode, its own shard's pages and scales), so a fault on any rank is seen where it is.
     """
 
-    def __init__(self, mode: str, block_manager: BlockManager, kv_cache: PagedKVCache,
-                 sample_pages: int = 0, seed: int = 0) -> None:
+    def __init__(self, mode: str, num_pages: int, kv_cache: PagedKVCache, sample_pages: int = 0,
+                 seed: int = 0) -> None:
         if mode not in INTEGRITY_MODES[1:]:
             raise ValueError(f"unknown integrity mode {mode!r} (choose from {', '.join(INTEGRITY_MODES)})")
         self.mode = mode
-        self.block_manager = block_manager
+        self.num_pages = num_pages
         self.kv_cache = kv_cache
         self.sample_pages = sample_pages
         device = kv_cache.device
         self.device = device
-        num_pages = block_manager.num_pages
         self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
-        self._pending: dict[int, tuple[int, int]] = {}
-        self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         self.full = mode == "full"
         if self.full:
             row_bytes = kv_cache.pools[0].shape[-1] * kv_cache.pools[0].element_size()
@@ -117,6 +123,101 @@ class IntegrityChecker:
             self.weights = checksum_weights(kv_cache, seed)
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self.trust_scales()
+
+    def apply(self, updates: list[tuple[int, int, int]]) -> None:
+        """Writes (page, owner, epoch) updates in one go; a page whose owner changes is no longer sealed."""
+        if not updates:
+            return
+        values = torch.tensor(updates, dtype=torch.int64).to(self.device)
+        self.owners[values[:, 0]] = values[:, 1]
+        self.epochs[values[:, 0]] = values[:, 2]
+        if self.full:
+            self.sealed[values[:, 0]] = False
+
+    def holders(self) -> list[int]:
+        return torch.unique(self.owners[self.owners != FREE]).tolist()
+
+    def check_tables(self, tables: list[tuple[int, list[int], list[int]]]) -> list[Violation]:
+        """Checks (sequence, pages, leases) tables (and in `full` mode their sealed pages) before a step."""
+        entries = self._entries(tables)
+        bad = self._failing(entries)
+        found = [self._ownership_violation(int(entries[1, i]), int(entries[0, i]), int(entries[2, i]))
+                 for i in bad]
+        if self.full:
+            found += self._verify_pages(entries, bad)
+            found += self._verify_scales()
+        return found
+
+    def _entries(self, tables: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
+        pages, owners, leases = [], [], []
+        for seq_id, table, table_leases in tables:
+            pages.extend(table)
+            leases.extend(table_leases)
+            owners.extend([seq_id] * len(table))
+        return torch.tensor([pages, owners, leases], dtype=torch.int64).reshape(3, -1).to(self.device)
+
+    def _failing(self, entries: torch.Tensor) -> list[int]:
+        if entries.device.type == "cuda":
+            from kernels.ownership_check import ownership_check
+        else:
+            from kernels.reference import ownership_check
+        bad = ownership_check(entries, self.owners, self.epochs)
+        return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
+
+    def _ownership_violation(self, seq_id: int, page: int, lease: int) -> Violation:
+        in_range = 0 <= page < self.num_pages
+        return Violation(seq_id, "ownership", page, seq_id, int(self.owners[page]) if in_range else None,
+                         lease, int(self.epochs[page]) if in_range else None)
+
+    def _verify_pages(self, entries: torch.Tensor, failed: list[int]) -> list[Violation]:
+        ok = torch.ones(entries.shape[1], dtype=torch.bool, device=self.device)
+        ok[failed] = False
+        candidates = torch.nonzero(ok & self.sealed[torch.where(ok, entries[0], 0)]).flatten()
+        if self.sample_pages and len(candidates) > self.sample_pages:
+            pick = torch.randperm(len(candidates), generator=self._generator, device=self.device)
+            candidates = candidates[pick[:self.sample_pages]]
+        if not len(candidates):
+            return []
+        pages = entries[0, candidates]
+        mismatched = page_checksums(self.kv_cache, pages, self.weights) != self.checksums[pages]
+        return [Violation(int(entries[1, i]), "checksum", int(entries[0, i]))
+                for i in candidates[mismatched].tolist()]
+
+    def _verify_scales(self) -> list[Violation]:
+        """A corrupted scale changes how every page of its layer reads: all requests holding pages are hit."""
+        if not self.kv_cache.is_fp8:
+            return []
+        if all(torch.equal(scale, trusted) for scale, trusted in zip(self.kv_cache.scales, self._trusted_scales)):
+            return []
+        self.kv_cache.set_scales(*self._trusted_scales)
+        return [Violation(seq_id, "fp8_scale", None) for seq_id in self.holders()]
+
+    def trust_scales(self) -> None:
+        """Takes the current FP8 scales as the reference (after calibration or `set_scales`)."""
+        if self.full and self.kv_cache.is_fp8:
+            self._trusted_scales = tuple(scale.clone() for scale in self.kv_cache.scales)
+
+    def seal_pages(self, pages: list[int]) -> None:
+        """After a step's KV writes: records the checksum of every page that became full in it."""
+        if not self.full or not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.checksums[index] = page_checksums(self.kv_cache, index, self.weights)
+        self.sealed[index] = True
+
+
+class IntegrityChecker(PageRecord):
+    """Rank 0's record: the block manager's guard, which the manager reports every grant and release to and
+    asks, when freeing a table, which pages the sequence really holds. Under tensor parallelism it also keeps
+    the updates for the other ranks' records (`take_updates`)."""
+
+    def __init__(self, mode: str, block_manager: BlockManager, kv_cache: PagedKVCache,
+                 sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
+        super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
+        self.block_manager = block_manager
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._outbox: list[tuple[int, int, int]] | None = [] if tensor_parallel > 1 else None
+        self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         block_manager.guard = self
 
     # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
@@ -129,13 +230,19 @@ class IntegrityChecker:
     def _flush(self) -> None:
         if not self._pending:
             return
-        pages = torch.tensor(list(self._pending), dtype=torch.int64, device=self.device)
-        values = torch.tensor(list(self._pending.values()), dtype=torch.int64, device=self.device)
-        self.owners[pages] = values[:, 0]
-        self.epochs[pages] = values[:, 1]
-        if self.full:
-            self.sealed[pages] = False
+        updates = [(page, owner, epoch) for page, (owner, epoch) in self._pending.items()]
+        self.apply(updates)
+        if self._outbox is not None:
+            self._outbox.extend(updates)
         self._pending.clear()
+
+    def take_updates(self) -> list[tuple[int, int, int]]:
+        """The record's changes since the last call, in order, for the other ranks' records."""
+        self._flush()
+        if self._outbox is None:
+            return []
+        updates, self._outbox = self._outbox, []
+        return updates
 
     def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
         """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
@@ -155,86 +262,51 @@ class IntegrityChecker:
         self._flush()
         return torch.nonzero(self.owners == seq_id).flatten().tolist()
 
-    def _entries(self, tables: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
-        pages, owners, leases = [], [], []
-        for seq_id, table, table_leases in tables:
-            pages.extend(table)
-            leases.extend(table_leases)
-            owners.extend([seq_id] * len(table))
-        return torch.tensor([pages, owners, leases], dtype=torch.int64).reshape(3, -1).to(self.device)
-
-    def _failing(self, entries: torch.Tensor) -> list[int]:
-        if entries.device.type == "cuda":
-            from kernels.ownership_check import ownership_check
-        else:
-            from kernels.reference import ownership_check
-        bad = ownership_check(entries, self.owners, self.epochs)
-        return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
-
-    def _ownership_violation(self, seq_id: int, page: int, lease: int) -> Violation:
-        in_range = 0 <= page < self.block_manager.num_pages
-        return Violation(seq_id, "ownership", page, seq_id, int(self.owners[page]) if in_range else None,
-                         lease, int(self.epochs[page]) if in_range else None)
-
     def take_violations(self) -> list[Violation]:
         found, self.violations = self.violations, []
         return found
 
+    def holders(self) -> list[int]:
+        self._flush()
+        return super().holders()
+
     def check(self, items: list[ScheduledSequence]) -> list[Violation]:
         """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs."""
         self._flush()
-        tables = [(item.seq.seq_id, self.block_manager.block_table(item.seq.seq_id),
-                   self.block_manager.leases(item.seq.seq_id)) for item in items]
-        entries = self._entries(tables)
-        bad = self._failing(entries)
-        found = [self._ownership_violation(int(entries[1, i]), int(entries[0, i]), int(entries[2, i]))
-                 for i in bad]
-        if self.full:
-            found += self._verify_pages(entries, bad)
-            found += self._verify_scales()
-        return found
-
-    def _verify_pages(self, entries: torch.Tensor, failed: list[int]) -> list[Violation]:
-        ok = torch.ones(entries.shape[1], dtype=torch.bool, device=self.device)
-        ok[failed] = False
-        candidates = torch.nonzero(ok & self.sealed[torch.where(ok, entries[0], 0)]).flatten()
-        if self.sample_pages and len(candidates) > self.sample_pages:
-            pick = torch.randperm(len(candidates), generator=self._generator, device=self.device)
-            candidates = candidates[pick[:self.sample_pages]]
-        if not len(candidates):
-            return []
-        pages = entries[0, candidates]
-        mismatched = page_checksums(self.kv_cache, pages, self.weights) != self.checksums[pages]
-        return [Violation(int(entries[1, i]), "checksum", int(entries[0, i]), found_owner=int(entries[1, i]))
-                for i in candidates[mismatched].tolist()]
-
-    def _verify_scales(self) -> list[Violation]:
-        """A corrupted scale changes how every page of its layer reads: all requests holding pages are hit."""
-        if not self.kv_cache.is_fp8:
-            return []
-        if all(torch.equal(scale, trusted) for scale, trusted in zip(self.kv_cache.scales, self._trusted_scales)):
-            return []
-        self.kv_cache.set_scales(*self._trusted_scales)
-        holders = torch.unique(self.owners[self.owners != FREE]).tolist()
-        return [Violation(seq_id, "fp8_scale", None) for seq_id in holders]
-
-    def trust_scales(self) -> None:
-        """Takes the current FP8 scales as the reference (after calibration or `set_scales`)."""
-        if self.full and self.kv_cache.is_fp8:
-            self._trusted_scales = tuple(scale.clone() for scale in self.kv_cache.scales)
+        return self.check_tables([(item.seq.seq_id, self.block_manager.block_table(item.seq.seq_id),
+                                   self.block_manager.leases(item.seq.seq_id)) for item in items])
 
     def seal(self, items: list[ScheduledSequence]) -> None:
-        """After a step's KV writes: records the checksum of every page that became full in it."""
+        """After a step's KV writes: seals the pages that became full in it."""
         if not self.full:
             return
         self._flush()
         page_size = self.block_manager.page_size
-        pages = []
-        for item in items:
-            table = self.block_manager.block_table(item.seq.seq_id)
-            pages.extend(table[item.start // page_size:item.end // page_size])
-        if not pages:
-            return
-        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        self.checksums[index] = page_checksums(self.kv_cache, index, self.weights)
-        self.sealed[index] = True
+        self.seal_pages([page for item in items
+                         for page in self.block_manager.block_table(item.seq.seq_id)
+                         [item.start // page_size:item.end // page_size]])
+
+
+def agree(group: TensorGroup, plan: StepPlan, found: list[Violation]) -> dict[int, Violation]:
+    """What every rank found wrong with the plan's items, known to every rank, by item.
+
+    One small all-reduce (max) of a [3, items + 1] table: per item the worst kind found, the failing page
+    + 1 (checksums: rank 0 quarantines it) and the rank; the last column says a rank's FP8 scales were
+    corrupted, which concerns every item. Every rank then drops the same items (`StepPlan.without`).
+    """
+    table = torch.zeros(3, plan.num_items + 1, dtype=torch.int64)
+    item_of = {seq_id: item for item, seq_id in enumerate(plan.seq_ids)}
+    for violation in found:
+        column = plan.num_items if violation.kind == "fp8_scale" else item_of[violation.seq_id]
+        page = violation.page + 1 if violation.kind == "checksum" else 0
+        table[:, column] = torch.maximum(table[:, column],
+                                         torch.tensor([KIND_CODES[violation.kind], page, group.rank]))
+    table = group.max_over_ranks(table).cpu()
+    if table[0, -1]:
+        rank = int(table[2, -1])
+        return {item: Violation(seq_id, "fp8_scale", None, rank=rank) for item, seq_id in enumerate(plan.seq_ids)}
+    agreed = {}
+    for item in torch.nonzero(table[0, :-1]).flatten().tolist():
+        code, page, rank = table[:, item].tolist()
+        agreed[item] = Violation(plan.seq_ids[item], KINDS[code], page - 1 if page else None, rank=rank)
+    return agreed

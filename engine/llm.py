@@ -12,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
 from engine.distributed import MEMORY_QUERY, SINGLE, Workers
 from engine.errors import ConfigError, RequestError
-from engine.integrity import IntegrityChecker
+from engine.integrity import IntegrityChecker, Violation
 from engine.kv_cache import PagedKVCache
 from engine.loader import check_shardable, load_model
 from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
@@ -102,10 +102,12 @@ class LLM:
         self.block_manager = BlockManager(num_pages, config.page_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers)
-        self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
-            config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed)
+            config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed,
+            config.tensor_parallel)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
+                                  self.integrity)
+        self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         if self.kv_cache.is_fp8:
             self.calibrate_kv_scales()
 
@@ -222,7 +224,9 @@ class LLM:
         aborted = [] if self.integrity is None else self._enforce_integrity(output)
         if output.is_empty:
             return aborted
-        sampled = self.runner.execute(output)
+        sampled, violations = self.runner.execute(output)
+        if violations:
+            aborted += self._abort_violating(output, violations)
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
@@ -230,8 +234,15 @@ class LLM:
     def _enforce_integrity(self, output: SchedulerOutput) -> list[RequestOutput]:
         """Aborts, before the step runs, every request whose pages fail a check; the others go on."""
         violations = self.integrity.take_violations() + self.integrity.check(output.scheduled)
-        if not violations:
-            return []
+        return self._abort_violating(output, violations) if violations else []
+
+    def _abort_violating(self, output: SchedulerOutput, violations: list[Violation]) -> list[RequestOutput]:
+        """Aborts the requests of `violations` and takes them out of the step. A corrupted FP8 scale found on
+        another rank concerns every request holding pages, as rank 0's record says."""
+        if any(violation.kind == "fp8_scale" and violation.rank for violation in violations):
+            rank = next(violation.rank for violation in violations if violation.kind == "fp8_scale")
+            violations = violations + [Violation(seq_id, "fp8_scale", None, rank=rank)
+                                       for seq_id in self.integrity.holders()]
         aborted = []
         for violation in violations:
             log.error("integrity violation: %s", violation.describe())

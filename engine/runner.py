@@ -1,19 +1,27 @@
 """Runs one scheduled step on the model: a plan of flat inputs and block tables, the forward pass, sampling.
 
-The plan is plain lists (`engine.distributed.StepPlan`) so that a tensor-parallel engine's rank 0 can send
+The plan is plain lists (`engine.step_plan.StepPlan`) so that a tensor-parallel engine's rank 0 can send
 it to the other ranks, which run the same forward pass on it (`forward_plan`)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
 from engine.block_manager import BlockManager
-from engine.distributed import StepPlan, Workers
+from engine.distributed import Workers
+from engine.errors import RequestError
+from engine.integrity import IntegrityChecker, Violation, agree
 from engine.kv_cache import PagedKVCache
 from engine.memory import pages_for_tokens
 from engine.models.base import DecoderModel
 from engine.sampler import sample
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from engine.faults import WorkerFault
 
 
 @torch.inference_mode()
@@ -21,6 +29,9 @@ def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, pa
                  device: torch.device) -> torch.Tensor | None:
     """The plan's forward pass on this rank's shard: float32 logits [rows, vocab] of the plan's logit rows
     (every row when it names none), or None when it wants no logits."""
+    if not plan.token_ids:
+        return None
+
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -45,10 +56,12 @@ def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, pa
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 seed: int = 0, workers: Workers | None = None) -> None:
+                 seed: int = 0, workers: Workers | None = None, integrity: IntegrityChecker | None = None) -> None:
         self.model = model
         self.workers = workers
+        self.integrity = integrity
         self.fail_rank: int | None = None          # fault injection: a worker rank that must fail the next step
+        self.worker_fault: WorkerFault | None = None     # fault injection: one for a worker's own state
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.device = next(model.parameters()).device
@@ -68,31 +81,47 @@ class ModelRunner:
         self._generators.pop(seq_id, None)
 
     def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None) -> StepPlan:
-        """The step's flat inputs from the block tables; `items` must list decodes first."""
+        """The step's flat inputs from the block tables; `items` must list decodes first. Under tensor
+        parallelism with integrity checks, it also carries each table's leases and the ownership record's
+        changes since the last plan, so that every rank can check the tables itself."""
         page_size = self.block_manager.page_size
+        check = self.integrity is not None and self.workers is not None
         plan = StepPlan([], [], [], [], [], [], logit_rows, calibrate_kv=self.kv_cache.calibrating,
-                        fail_rank=self.fail_rank)
-        self.fail_rank = None
+                        fail_rank=self.fail_rank, check=check, worker_fault=self.worker_fault)
+        self.fail_rank, self.worker_fault = None, None
         for item in items:
-            table = self.block_manager.block_table(item.seq.seq_id)
+            seq_id = item.seq.seq_id
+            table = self.block_manager.block_table(seq_id)
+            plan.seq_ids.append(seq_id)
             plan.token_ids.extend(item.seq.token_ids_between(item.start, item.end))
             span = range(item.start, item.end)
             plan.positions.extend(span)
             plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
+            pages = len(table) if item.is_decode else pages_for_tokens(item.end, page_size)
+            if check:
+                plan.leases.append(self.block_manager.leases(seq_id)[:pages])
             if item.is_decode:
                 plan.decode_tables.append(table)
                 plan.decode_lens.append(item.end)
             else:
                 plan.prefills.append((len(plan.token_ids) - item.num_new_tokens, item.num_new_tokens, item.end,
-                                      table[:pages_for_tokens(item.end, page_size)]))
+                                      table[:pages]))
+        if check:
+            plan.ownership_updates = self.integrity.take_updates()
         return plan
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Sends the plan to the other ranks (tensor parallelism), then runs this rank's share of it."""
-        if self.workers is not None:
-            self.workers.send(plan)
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation]]:
+        """Sends the plan to the other ranks (tensor parallelism), agrees with them on the items that fail an
+        integrity check on some rank, and runs this rank's share of the rest. Returns the logits and the
+        dropped items' violations, by item."""
+        dropped: dict[int, Violation] = {}
         try:
-            return forward_plan(self.model, self.kv_cache, plan, self.block_manager.page_size, self.device)
+            if self.workers is not None:
+                self.workers.send(plan)
+                if plan.check:
+                    dropped = agree(self.workers.group, plan, [])     # rank 0 checked its record before planning
+                    plan = plan.without(set(dropped))
+            return forward_plan(self.model, self.kv_cache, plan, self.block_manager.page_size, self.device), dropped
         except RuntimeError as error:
             if self.workers is None:
                 raise
@@ -100,18 +129,22 @@ class ModelRunner:
 
     def logits(self, items: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every computed position, float32 [T, vocab]; for scoring, not serving."""
-        return self.run(self.plan(sorted(items, key=lambda item: not item.is_decode), None))
+        logits, dropped = self.run(self.plan(sorted(items, key=lambda item: not item.is_decode), None))
+        if dropped:
+            raise RequestError("; ".join(violation.describe() for violation in dropped.values()))
+        return logits
 
-    def execute(self, output: SchedulerOutput) -> dict[int, int]:
-        """Runs the step; returns the sampled token of every sequence that reached its last token."""
+    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int], list[Violation]]:
+        """Runs the step: the sampled token of every sequence that reached its last token, and the violations
+        another rank found (their sequences did not run; the caller aborts them)."""
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
-        sampling = [(row, item) for row, item in zip(_last_rows(items), items) if item.samples]
-        logits = self.run(self.plan(items, [row for row, _ in sampling]))
+        logit_rows = [row for row, item in zip(_last_rows(items), items) if item.samples]
+        logits, dropped = self.run(self.plan(items, logit_rows))
+        sampling = [item for index, item in enumerate(items) if item.samples and index not in dropped]
         if not sampling:
-            return {}
-        tokens = sample(logits, [item.seq.params for _, item in sampling],
-                        [self._generator(item) for _, item in sampling])
-        return {item.seq.seq_id: token for (_, item), token in zip(sampling, tokens)}
+            return {}, list(dropped.values())
+        tokens = sample(logits, [item.seq.params for item in sampling], [self._generator(item) for item in sampling])
+        return {item.seq.seq_id: token for item, token in zip(sampling, tokens)}, list(dropped.values())
 
 
 def _last_rows(items: list[ScheduledSequence]) -> list[int]:

@@ -6,13 +6,16 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed import StepPlan, join_group, rank_device, receive_object
+from engine.distributed import join_group, rank_device, receive_object
 from engine.errors import WorkerError
+from engine.faults import WorkerFault, strike
+from engine.integrity import PageRecord, agree
 from engine.kv_cache import PagedKVCache
 from engine.llm import rank_memory, resolve_device
 from engine.loader import load_model
 from engine.memory import kv_layout
 from engine.runner import forward_plan
+from engine.step_plan import StepPlan
 
 
 class ShardWorker:
@@ -28,11 +31,29 @@ class ShardWorker:
         num_pages = receive_object()        # rank 0 sized the pool, every rank holds as many pages; None: stop
         layout = kv_layout(loaded.config, config.resolved_kv_dtype(self.device.type == "cuda"), size)
         self.kv_cache = None if num_pages is None else PagedKVCache(layout, num_pages, config.page_size, self.device)
+        self.record = None if self.kv_cache is None or config.integrity == "off" else PageRecord(
+            config.integrity, num_pages, self.kv_cache, config.integrity_sample_pages, config.seed)
+        self.pending_fault: WorkerFault | None = None
 
     def memory(self) -> dict[str, Any]:
         return rank_memory(self.model, self.kv_cache)
 
     def run(self, plan: StepPlan) -> None:
-        if plan.fail_rank == self.group.rank:
-            raise WorkerError(f"fault injected into rank {self.group.rank}")
+        """Checks the plan's tables against this rank's own record (rank 0 sends the record's updates with the
+        plan), agrees with the other ranks on what to drop, runs the rest, seals what it filled."""
+        rank = self.group.rank
+        if plan.fail_rank == rank:
+            raise WorkerError(f"fault injected into rank {rank}")
+        if plan.worker_fault is not None and plan.worker_fault.rank == rank:
+            self.pending_fault = plan.worker_fault
+        if plan.check:
+            self.record.apply(plan.ownership_updates)
+            if self.pending_fault is not None and strike(self.pending_fault, plan, self.record, self.kv_cache):
+                self.pending_fault = None
+            found = self.record.check_tables(list(zip(plan.seq_ids, plan.tables(), plan.leases)))
+            plan = plan.without(set(agree(self.group, plan, found)))
         forward_plan(self.model, self.kv_cache, plan, self.page_size, self.device)
+        if plan.check:
+            self.record.seal_pages(plan.filled_pages(self.page_size))
+            if plan.calibrate_kv:
+                self.record.trust_scales()

@@ -18,6 +18,7 @@ nearest to it) for a step of its shape (the probe most like it). What is left is
 from __future__ import annotations
 
 import bisect
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from engine.profile_format import REGIMES, batch_shape
 from planner.calibration import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
 from planner.errors import PlannerError
 from planner.models import get_model
+from planner.probe_engine import ProbeEngine
 from planner.simulator import Simulation, model_step_time, replayed_step_time
 from planner.step_model import BatchShape, step_time
 from planner.workload import Workload
@@ -60,16 +62,21 @@ def _metric(predicted: float | None, measured: float | None) -> dict[str, float 
 def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_size: int) -> int:
     """The planner's own arithmetic for the engine's pool: the model's KV layout over the budget."""
     fingerprint = profile["fingerprint"]
-    spec = get_model(fingerprint["model"]).truncated(fingerprint.get("num_layers"), fingerprint.get("num_experts"))
-    layout = kv_layout(spec, fingerprint["kv_dtype"])
+    model = get_model(fingerprint.get("model_source") or fingerprint["model"])
+    spec = model.truncated(fingerprint.get("num_layers"), fingerprint.get("num_experts"))
+    layout = kv_layout(spec, fingerprint["kv_dtype"], fingerprint.get("tensor_parallel", 1))
     return kv_pages_for_budget(int(kv_cache_gib * GIB), layout, page_size) * page_size
 
 
-def english_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
-    """Prompts of the requested lengths cut one after another from a fixed English text."""
+def english_prompts(tokenizer, lengths: list[int], vocab_size: int) -> list[list[int]]:
+    """Prompts of the requested lengths cut one after another from a fixed English text (a model without a
+    tokenizer, random weights: from fixed pseudo-random token ids)."""
     from pydoc_data.topics import topics
 
-    ids = tokenizer.encode(" ".join(topics[key] for key in sorted(topics)))
+    if tokenizer is None:
+        ids = np.random.default_rng(0).integers(3, vocab_size, max(lengths, default=0) * 4).tolist()
+    else:
+        ids = tokenizer.encode(" ".join(topics[key] for key in sorted(topics)))
     prompts, cursor = [], 0
     for length in lengths:
         if length > len(ids):
@@ -120,7 +127,8 @@ def warm_up(llm: LLM, prompt_tokens: int) -> None:
     from engine.sequence import SamplingParams
 
     tokens = min(prompt_tokens, llm.config.max_num_batched_tokens, llm.max_model_len - 2)
-    llm.generate([list(range(1, tokens + 1))], SamplingParams(max_tokens=2, ignore_eos=True))
+    vocab = llm.model_config.vocab_size
+    llm.generate([[1 + i % (vocab - 1) for i in range(tokens)]], SamplingParams(max_tokens=2, ignore_eos=True))
 
 
 @dataclass
@@ -129,7 +137,7 @@ class DriftProbes:
     through them, one every `every` steps): the machine's speed now against when it was profiled, seen by
     the same cores at the same minutes as the served steps."""
 
-    profiler: Profiler
+    profiler: Profiler | ProbeEngine
     samples: list[dict[str, Any]]
     every: int = PROBE_EVERY_STEPS
     # every timing: (served steps before it, which probe, seconds)
@@ -230,22 +238,27 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     if linears is not None:          # the profiled model itself: its linears as measured, by row count
         params = calibration.measured_parameters
     costs = profile_costs(profile["model"])
-    llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     specs = workload.requests()
     if any(spec.arrival_s is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
-    prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs])
-    requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
-    reference = engine_of(fingerprint, kv_cache_gib,
-                          num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"],
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
-    probes = DriftProbes(profiler, probe_samples(profile, profiler))
-    warm_up(llm, max(spec.prompt_tokens for spec in specs))
-    cpu_before = cpu_ticks()
-    served = serve(llm, requests, clock="virtual", between_steps=probes)
-    probes.complete()
-    steal = steal_pct(cpu_before, cpu_ticks())
+    llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"],
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    with ExitStack() as cleanup:
+        cleanup.callback(llm.close)
+        prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs],
+                                  llm.model_config.vocab_size)
+        requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
+        if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
+            profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
+        else:
+            profiler = Profiler(engine_of(fingerprint, kv_cache_gib, **reference_settings), SweepPlan(warmup=1, repeats=1))
+        probes = DriftProbes(profiler, probe_samples(profile, profiler))
+        warm_up(llm, max(spec.prompt_tokens for spec in specs))
+        cpu_before = cpu_ticks()
+        served = serve(llm, requests, clock="virtual", between_steps=probes)
+        probes.complete()
+        steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
     starts = [step.start_s for step in served.steps]
 

@@ -7,13 +7,13 @@ from engine.faults import run_trial
 from engine.llm import LLM
 
 
-def assert_campaign_detects(llm: LLM, workload, kinds, trials: int, seed: int) -> None:
+def assert_campaign_detects(llm: LLM, workload, kinds, trials: int, seed: int, rank: int = 0) -> None:
     prompts, params = workload
     reference = [r.token_ids for r in llm.generate(prompts, params)]
     rng = random.Random(seed)
     for kind in kinds:
         for trial in range(trials):
-            result = run_trial(llm, prompts, params, reference, kind, rng)
+            result = run_trial(llm, prompts, params, reference, kind, rng, rank=rank)
             where = f"{kind} trial {trial} ({result.fault})"
             assert result.fault is not None, where
             assert result.detected, f"not detected: {where}"

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
+from campaign import assert_campaign_detects
 from conftest import run_cli
 
 from engine.errors import ConfigError, WorkerError
-from engine.faults import crash_worker
+from engine.faults import FAULT_KINDS, crash_worker
 from engine.llm import LLM
 from engine.memory import kv_bytes_per_token, kv_layout
 from engine.sequence import SamplingParams
@@ -121,6 +124,20 @@ def test_a_worker_that_fails_ends_the_engine_with_its_error(tiny):
             llm.step()
 
 
+def test_a_fault_on_either_rank_aborts_its_request_everywhere(tiny):
+    """Integrity under tensor parallelism: every fault kind, struck on rank 1's own state (its record of page
+    owners, its copy of the plan's tables, its KV shard, its FP8 scales; only rank 1 can see these) and on rank
+    0's, aborts exactly its victims on both ranks before they read a wrong page; the other requests get their
+    fault-free tokens and no page leaks."""
+    settings = dict(model=tiny, num_threads=1, num_pages=64, page_size=8, kv_dtype="fp8", integrity="full")
+    workload = (prompts(), [SamplingParams(max_tokens=8, ignore_eos=True)] * len(PROMPT_LENGTHS))
+    with LLM(**settings, tensor_parallel=2) as llm:
+        for rank in (1, 0):
+            assert_campaign_detects(llm, workload, FAULT_KINDS, trials=2, seed=11 + rank, rank=rank)
+        quarantined = len(llm.block_manager.quarantined)
+        assert quarantined >= 2 * 2          # each rank's bit flips quarantine their page
+
+
 def test_splits_that_do_not_divide_are_refused_before_any_process_starts(tiny, tmp_path_factory):
     with pytest.raises(ConfigError, match="--tensor-parallel 3 does not divide the 4 attention heads"):
         LLM(model=tiny, tensor_parallel=3)
@@ -160,21 +177,40 @@ def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
         assert fit.alpha_s >= 0 and fit.beta_bytes_per_s > 1e6
 
 
-def test_the_calibration_fits_a_two_rank_profile(tmp_path, tmp_path_factory):
-    """A model big enough that its steps are more than collectives (8 layers of 256), profiled over two ranks:
-    the collectives' latency and link efficiency are fitted to the time each step spent in them, the rest to
-    the step times; every regime within the calibration's 15%."""
-    from planner.calibration import MAX_MAPE_PCT, calibrate
-
+@pytest.fixture(scope="module")
+def two_rank_profile(tmp_path_factory) -> str:
+    """A model big enough that its steps are more than collectives (8 layers of 256), profiled over two ranks."""
     path = write_config(tmp_path_factory, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                         num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
-    out = tmp_path / "tp2.profile.json"
+    out = tmp_path_factory.mktemp("tp2") / "tp2.profile.json"
     made = run_cli("profile", "--model", path, "--device", "cpu", "--threads", "1", "--tensor-parallel", "2",
                    "--memory-gib", "0.05", "--prefill-tokens", "16", "64", "128", "256", "512",
                    "--batches", "1", "2", "4", "8", "16", "--contexts", "32", "128", "256", "--repeats", "2",
                    "--out", str(out), "--json", timeout=900)
     assert made.returncode == 0, made.stderr
-    document = calibrate(json.loads(out.read_text()))
+    return str(out)
+
+
+def test_the_calibration_fits_a_two_rank_profile(two_rank_profile):
+    """The collectives' latency and link efficiency are fitted to the time each step spent in them, the rest
+    to the step times; every regime within the calibration's 15%."""
+    from planner.calibration import MAX_MAPE_PCT, calibrate
+
+    document = calibrate(json.loads(open(two_rank_profile).read()))
     errors = {k: v for k, v in document.items() if k.startswith("mape_")}
     assert all(error < MAX_MAPE_PCT for error in errors.values()), errors
     assert document["parameters"]["collective_latency_s"] > 0 and document["peaks"]["link_bytes_per_s"] > 0
+
+
+def test_verification_of_a_two_rank_profile_against_the_two_rank_engine(two_rank_profile):
+    """`planner verify` serves the workload on a two-rank engine (its drift probes on a second two-rank engine
+    in a process of its own): the KV capacity is the planner's exactly, and replaying the engine's step times
+    through the simulator's scheduler gives the very batches the engine ran."""
+    args = ["verify", "--profile", two_rank_profile, "--workload", "poisson", "--rate", "8", "--requests", "12",
+            "--prompt-tokens", "64", "--output-tokens", "8", "--kv-cache-gib", "0.02", "--json"]
+    made = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stderr
+    result = json.loads(made.stdout)
+    assert result["metrics"]["kv_capacity_tokens"]["error_pct"] == 0
+    assert result["replay"]["same_batches"] and result["replay"]["steps"] > 12
+    assert result["fingerprint"]["tensor_parallel"] == 2 and len(result["machine"]["probes"]) >= 3
