@@ -252,3 +252,25 @@ def decoder_linear_bytes(spec: ModelSpec, scheme: dict[str, WeightFormat], float
     parts = spec.components()
     return sum(scheme.get(name, WeightFormat(float_dtype)).linear_bytes(linear.out_features, linear.in_features)
                * linear.count for name in DECODER_COMPONENTS for linear in parts[name].linears)
+
+
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """What one step's collectives carry under tensor parallelism: an all-reduce of the vocab-parallel
+    embeddings, one after attention and one after the feed-forward of every layer (each a new token's hidden
+    state), and an all-gather of each sampled row's logits (one rank's vocabulary share)."""
+
+    calls_per_step: int
+    allreduce_bytes_per_token: int
+    gather_bytes_per_sequence: int
+
+
+def tensor_parallel_traffic(num_layers: int, hidden_size: int, vocab_size: int, ranks: int, activation_bytes: int,
+                            attention_parallel: bool = True) -> TensorParallelTraffic:
+    """The engine's collectives (its profiles record them) and the planner's. With data-parallel attention the
+    layers' attention all-reduce goes; the feed-forward's stays."""
+    if ranks == 1:
+        return TensorParallelTraffic(0, 0, 0)
+    all_reduces = 1 + (2 if attention_parallel else 1) * num_layers
+    return TensorParallelTraffic(all_reduces + 1, all_reduces * hidden_size * activation_bytes,
+                                 ceil_div(vocab_size, ranks) * activation_bytes)

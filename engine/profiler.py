@@ -40,7 +40,7 @@ from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
-from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens
+from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
@@ -216,18 +216,17 @@ def model_section(llm: LLM) -> dict[str, Any]:
 
 
 def _collective_fields(llm: LLM) -> dict[str, Any]:
-    """Under tensor parallelism: the step's collectives (the embedding's all-reduce, two a layer, the logits'
-    all-gather), the bytes of one token's hidden state in all the all-reduces, and of one sampled row's
-    logits share (the model's FLOP fields stay the whole model's: the planner takes a rank's share)."""
+    """Under tensor parallelism: the step's collectives and their bytes (`engine.memory.tensor_parallel_traffic`;
+    the model's FLOP fields stay the whole model's: the planner takes a rank's share)."""
     ranks = llm.config.tensor_parallel
     if ranks == 1:
         return {}
-    config, element = llm.model_config, next(llm.model.parameters()).element_size()
-    all_reduces = 1 + 2 * config.num_layers
-    head = llm.model.head_weight
-    return {"tensor_parallel": ranks, "collective_calls_per_step": all_reduces + 1,
-            "allreduce_bytes_per_token": all_reduces * config.hidden_size * element,
-            "gather_bytes_per_sequence": head.shape[0] * head.element_size()}
+    config = llm.model_config
+    traffic = tensor_parallel_traffic(config.num_layers, config.hidden_size, config.vocab_size, ranks,
+                                      llm.compute_dtype.itemsize)
+    return {"tensor_parallel": ranks, "collective_calls_per_step": traffic.calls_per_step,
+            "allreduce_bytes_per_token": traffic.allreduce_bytes_per_token,
+            "gather_bytes_per_sequence": traffic.gather_bytes_per_sequence}
 
 
 def routed_experts(model: torch.nn.Module) -> list[GroupedExperts]:

@@ -39,7 +39,9 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
                                                   "dequant_efficiency", "compute_efficiency", "attention_efficiency")},
           "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
           "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
-          "link_efficiency": (0.01, 1.5, 0.1)}
+          "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6)}
+# coefficients a profile of one model cannot tell apart from another: kept at their default (the catalogue's)
+HELD = ("kernel_launch_s",)
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
@@ -137,9 +139,11 @@ def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
 
 
 def free_parameters(points: Points) -> np.ndarray:
-    """Which coefficients the points can say anything about: those whose term is not zero everywhere."""
-    return np.array([bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
-                     for name in PARAMETER_NAMES])
+    """Which coefficients the points can say anything about: those whose term is not zero everywhere, but for
+    the kernel launch cost: one model launches as many kernels at every point, so it folds into the step
+    overhead."""
+    return np.array([name not in HELD and (bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF
+                                           else True) for name in PARAMETER_NAMES])
 
 
 COMMUNICATION = ("collective_latency_s", "link_efficiency")

@@ -11,10 +11,11 @@ tokens per step. Cost per million output tokens: GPU-hours of the whole deployme
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.config import SchedulerConfig
+from engine.memory import dtype_bytes, tensor_parallel_traffic
 from engine.profile_format import engine_version
 from engine.spec import ModelSpec
 
@@ -25,7 +26,7 @@ from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAUL
                                  plan_memory, weight_scheme)
 from planner.models import get_model
 from planner.simulator import Simulation, SimulationResult, model_step_time
-from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_time
+from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.workload import Workload
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
@@ -50,6 +51,7 @@ class Deployment:
     max_num_seqs: int = DEFAULT_MAX_SEQS
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
     calibration: str | None = None
+    cuda_graphs: bool | None = None         # decode steps captured in CUDA graphs (None: the catalogue's default)
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
@@ -71,7 +73,21 @@ def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str
 
 
 def step_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
-    """(parameters, measured peaks or None, where they came from). A given calibration must match."""
+    """(parameters, measured peaks or None, where they came from). A given calibration must match. What a profile
+    cannot have measured comes from the catalogue: the collectives' latency where it ran on one device, and the
+    launch cost per kernel (never fitted: `planner.calibration.HELD`)."""
+    graphs = hardware.cuda_graphs if deployment.cuda_graphs is None else deployment.cuda_graphs
+    catalogued = {"collective_latency_s": hardware.collective_latency(graphs),
+                  "kernel_launch_s": hardware.launch_cost(graphs)}
+    params, measured, source = _fitted_parameters(deployment, hardware)
+    if measured is None and not params.collective_latency_s:
+        params = replace(params, collective_latency_s=catalogued["collective_latency_s"])
+    if measured is None:
+        params = replace(params, kernel_launch_s=catalogued["kernel_launch_s"])
+    return params, measured, source
+
+
+def _fitted_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
     path = deployment.calibration
     if path is None:
         found = committed_calibration(hardware.key, deployment.model, deployment.weights, deployment.kv_dtype)
@@ -92,8 +108,22 @@ def step_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[Ste
     return calibration.parameters, peaks, f"calibration {Path(path).name}"
 
 
+def kernels_per_step(model: ModelSpec, tensor_parallel: int) -> int:
+    """Kernels one decode step of a fused engine launches: in every layer two norms and two residual adds, the
+    attention's (GQA: QKV, rope, cache write, attention, output; MLA also its latent projections, their norms
+    and the absorbed up-projections), the feed-forward's (dense: gate-up, activation, down; MoE: router, top-k,
+    the grouped experts' two matmuls, activation and combine, and a shared expert's three), and under tensor
+    parallelism two all-reduces; then the embedding, the final norm, the head and sampling."""
+    attention = 10 if model.attention.kind == "mla" else 5
+    ffn = model.ffn
+    dense, moe = 3, 6 + (3 if ffn.shared_intermediate else 0)
+    collectives = 2 if tensor_parallel > 1 else 0
+    return (model.num_layers * (4 + attention + collectives) + ffn.dense_layers * dense + ffn.moe_layers * moe + 4)
+
+
 def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
-    """Per-GPU step costs: this GPU's weights and KV, its share of the FLOPs."""
+    """Per-GPU step costs: this GPU's weights and KV, its share of the FLOPs, its collectives (bf16 activations:
+    `engine.memory.tensor_parallel_traffic`) and the kernels it launches."""
     parallel = plan.parallel
     by_component = plan.weights_by_component
     head = by_component["head"] if not model.tie_word_embeddings else by_component["embeddings"]
@@ -108,6 +138,8 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
         else:
             expert_bytes = by_component["routed_experts"] / total_experts
     attention_tp = parallel.attention_tp
+    traffic = tensor_parallel_traffic(model.num_layers, model.hidden_size, model.vocab_size, parallel.tp,
+                                      dtype_bytes("bf16"), attention_parallel=not parallel.attention_data_parallel)
     return ModelCosts(
         dense_weight_bytes=dense,
         linear_flops_per_token=model.linear_flops_per_token / parallel.tp,
@@ -115,7 +147,12 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
         kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
         head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / parallel.tp,
         expert_weight_bytes=expert_bytes, num_moe_layers=ffn.moe_layers, num_experts=ffn.num_experts,
-        experts_per_token=ffn.experts_per_token, local_experts=local)
+        experts_per_token=ffn.experts_per_token, local_experts=local,
+        tensor_parallel=parallel.tp, collective_calls_per_step=traffic.calls_per_step,
+        allreduce_bytes_per_token=traffic.allreduce_bytes_per_token,
+        gather_bytes_per_sequence=traffic.gather_bytes_per_sequence,
+        kernels_per_step=kernels_per_step(model, parallel.tp),
+        expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1)
 
 
 @dataclass(frozen=True)
@@ -132,6 +169,7 @@ class Capacity:
     gpu_hour_usd: float
     parameters_source: str
     step_seconds: Callable[[BatchShape], float] = field(repr=False, compare=False)
+    step_parts: Callable[[BatchShape], dict[str, float]] = field(repr=False, compare=False)    # seconds by part
     notes: list[str] = field(default_factory=list)
     minimum_gpus: int | None = None     # where it does not fit: the fewest GPUs of this kind that serve one request
 
@@ -207,7 +245,9 @@ def evaluate(deployment: Deployment) -> Capacity:
     plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
                        deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
                        max_seqs=deployment.max_num_seqs)
-    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights))
+    link = None if parallel.tp == 1 else (measured.link_bytes_per_s if measured is not None and measured.link_bytes_per_s
+                                          else hardware.link_bytes_per_s)
+    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
     costs = model_costs(model, plan)
     per_replica = plan.max_concurrency(deployment.context) // parallel.replicas
     batch = min(per_replica, deployment.max_num_seqs)
@@ -224,7 +264,8 @@ def evaluate(deployment: Deployment) -> Capacity:
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
     return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
                     1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, source,
-                    lambda shape: step_time(costs, peaks, params, shape), notes,
+                    lambda shape: step_time(costs, peaks, params, shape),
+                    lambda shape: step_parts(step_terms(costs, shape), peaks, params), notes,
                     None if per_replica else minimum_gpus(deployment, model, hardware))
 
 
@@ -245,8 +286,6 @@ def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpe
 
 def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
     """Several dtype configurations of one deployment, side by side; one that does not fit still gets a row."""
-    from dataclasses import replace
-
     return [evaluate(replace(deployment, weights=w, kv_dtype=kv)) for w in weights for kv in kv_dtypes]
 
 
@@ -273,8 +312,6 @@ def weight_dtype_comparison(deployment: Deployment, baseline: str = "fp8", candi
 
 
 def _with(deployment: Deployment, **changes) -> Deployment:
-    from dataclasses import replace
-
     return replace(deployment, calibration=None, **changes) if deployment.calibration else replace(deployment, **changes)
 
 
@@ -312,8 +349,6 @@ def max_rate_meeting_slo(deployment: Deployment, workload: Workload, slo_ttft_p9
                          slo_tpot_p99_s: float | None, high: float, iterations: int = 10) -> float:
     """The largest Poisson arrival rate (requests/s, within high / 2**iterations) whose TTFT p99 and TPOT p99
     meet the SLOs, by bisection over simulations of the same workload at other rates; 0 if none does."""
-    from dataclasses import replace
-
     low = 0.0
     for _ in range(iterations):
         rate = (low + high) / 2
@@ -324,8 +359,6 @@ def max_rate_meeting_slo(deployment: Deployment, workload: Workload, slo_ttft_p9
 
 def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:
     """The KV-limited concurrency: the most closed-loop users the KV pool serves without one preemption."""
-    from dataclasses import replace
-
     def preempts(users: int) -> bool:
         return simulate(deployment, replace(workload, arrival="closed", users=users)).preemptions > 0
 

@@ -112,6 +112,8 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="largest decode batch per replica")
     parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                        help="decode steps in CUDA graphs (default: the catalogue's; off: every kernel launched)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -122,7 +124,8 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       context=args.context, gpu_hour_usd=args.gpu_hour_usd, group_size=args.group_size,
                       tensor_parallel=args.tp, expert_parallel=args.expert_parallel,
                       attention_data_parallel=args.attention_dp, utilization=args.utilization,
-                      max_num_seqs=args.max_num_seqs, calibration=args.calibration)
+                      max_num_seqs=args.max_num_seqs, calibration=args.calibration,
+                      cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
 
 
 def _gib(value: int) -> str:

@@ -1,4 +1,4 @@
-"""The hardware catalogue: per-device memory, bandwidth, peak FLOP/s, interconnect and a default price.
+"""The hardware catalogue: per-device memory, bandwidth, peak FLOP/s, interconnect, launch costs and a price.
 
 Data lives in `planner/data/hardware.json`. `cpu` is a placeholder whose real rates come from a
 calibration: `with_measured_peaks` replaces the catalogue's figures by those a profile measured.
@@ -24,16 +24,28 @@ class HardwareSpec:
     bandwidth_bytes_per_s: float    # peak memory (HBM) bandwidth
     bf16_flops_per_s: float         # dense tensor-core peak
     fp8_flops_per_s: float | None   # None where the device has no FP8 tensor cores
-    interconnect_bytes_per_s: float
+    link_bytes_per_s: float         # what one GPU sends per second to the others (one direction)
     gpu_hour_usd: float
     calibrated: bool = False        # True for `cpu`: only meaningful with a calibration's measured peaks
+    allreduce_latency_s: float = 0.0            # one small all-reduce, inside a CUDA graph
+    allreduce_latency_eager_s: float = 0.0      # the same launched on its own
+    kernel_launch_s: float = 0.0                # host time per kernel an eager step launches
+    cuda_graphs: bool = False                   # serving engines capture decode steps in CUDA graphs here
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "interconnect_bytes_per_s"):
+        for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "link_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise PlannerError(f"hardware {self.key!r}: {name} must be positive, got {getattr(self, name)!r}")
-        if self.gpu_hour_usd < 0:
-            raise PlannerError(f"hardware {self.key!r}: the GPU-hour price must be >= 0, got {self.gpu_hour_usd!r}")
+        for name in ("gpu_hour_usd", "allreduce_latency_s", "allreduce_latency_eager_s", "kernel_launch_s"):
+            if not getattr(self, name) >= 0:
+                raise PlannerError(f"hardware {self.key!r}: {name} must be >= 0, got {getattr(self, name)!r}")
+
+    def collective_latency(self, cuda_graphs: bool) -> float:
+        return self.allreduce_latency_s if cuda_graphs else self.allreduce_latency_eager_s
+
+    def launch_cost(self, cuda_graphs: bool) -> float:
+        """Host seconds per kernel a step launches: none inside a CUDA graph (one launch for the whole step)."""
+        return 0.0 if cuda_graphs else self.kernel_launch_s
 
     def peak_flops(self, weights: str) -> float:
         """The matmul peak for a weight dtype: FP8 weights run FP8 tensor cores (W8A8) where there are
@@ -63,8 +75,11 @@ def catalogue() -> dict[str, HardwareSpec]:
             key=key, name=entry["name"], memory_bytes=entry["memory_mib"] * MIB,
             bandwidth_bytes_per_s=entry["bandwidth_gb_s"] * 1e9, bf16_flops_per_s=entry["bf16_tflops"] * 1e12,
             fp8_flops_per_s=None if fp8 is None else fp8 * 1e12,
-            interconnect_bytes_per_s=entry["interconnect_gb_s"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
-            calibrated=entry.get("calibrated", False))
+            link_bytes_per_s=entry["link_gb_s_per_direction"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
+            calibrated=entry.get("calibrated", False),
+            allreduce_latency_s=entry["allreduce_latency_us"]["cuda_graphs"] * 1e-6,
+            allreduce_latency_eager_s=entry["allreduce_latency_us"]["eager"] * 1e-6,
+            kernel_launch_s=entry["kernel_launch_us"] * 1e-6, cuda_graphs=entry["cuda_graphs"])
     return specs
 
 

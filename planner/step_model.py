@@ -51,6 +51,7 @@ twelve prompts that queued up costs more than one of a single prompt of the same
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -89,6 +90,9 @@ class ModelCosts:
     collective_calls_per_step: int = 0
     allreduce_bytes_per_token: float = 0.0
     gather_bytes_per_sequence: float = 0.0
+    kernels_per_step: float = 0.0       # kernels a step launches, every layer's (`kernel_launch_s` each)
+    # Expert parallelism over this many GPUs: each layer waits for the GPU whose experts its tokens touch most
+    expert_parallel_ranks: int = 1
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -99,12 +103,20 @@ class ModelCosts:
 
     def experts_touched(self, num_tokens: int) -> float:
         """Routed experts (of those this GPU holds) that `num_tokens` tokens touch in expectation over all MoE
-        layers, under uniform routing: each expert is missed by a token with probability 1 - k / E."""
+        layers, under uniform routing: each expert is missed by a token with probability 1 - k / E.
+
+        Under expert parallelism the slowest GPU sets each layer's pace: the number of its experts touched is
+        binomial (each of `local` experts touched with probability p), and the most-loaded of N GPUs is about
+        its mean plus `expected_max_normal(N)` standard deviations (at most all of them)."""
         if not self.num_experts:
             return 0.0
         local = self.num_experts if self.local_experts is None else self.local_experts
         share = expected_experts_touched(self.num_experts, self.experts_per_token, num_tokens) / self.num_experts
-        return self.num_moe_layers * local * share
+        touched = local * share
+        if self.expert_parallel_ranks > 1:
+            spread = math.sqrt(local * share * (1.0 - share))
+            touched = min(float(local), touched + expected_max_normal(self.expert_parallel_ranks) * spread)
+        return self.num_moe_layers * touched
 
     def weight_bytes_read(self, num_tokens: int) -> float:
         """Dense weights, plus the routed experts that `num_tokens` tokens touch in expectation."""
@@ -162,6 +174,10 @@ class StepParameters:
     expert_overhead_s: float = 0.0  # per routed expert run in a MoE layer: its gather, launch and scatter
     collective_latency_s: float = 0.0   # per collective: the alpha of alpha-beta, with the ranks' skew
     link_efficiency: float = 1.0        # share of the link's bandwidth the collectives reach
+    # per kernel launched: the host's launch cost, which a GPU step without CUDA graphs pays for each of its kernels
+    # (a CUDA graph replays them all in one launch); never fitted, since for one model it cannot be told from
+    # step_overhead_s: it comes from the hardware catalogue
+    kernel_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -247,6 +263,7 @@ class StepTerms:
     expert_calls: float = 0.0           # routed experts run, over all MoE layers (expected)
     collective_calls: float = 0.0       # tensor parallelism: collectives per step
     collective_wire_bytes: float = 0.0  # what each GPU sends in them (ring algorithms)
+    kernel_launches: float = 0.0        # kernels the step launches
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -270,7 +287,8 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     calls, wire = collective_terms(costs, batch)
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
-                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts, calls, wire)
+                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts, calls, wire,
+                         costs.kernels_per_step)
     linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
               + expansion)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
@@ -278,7 +296,7 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire)
+                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire, costs.kernels_per_step)
 
 
 def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float]:
@@ -292,23 +310,55 @@ def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float
         + wire_bytes("all_gather", costs.gather_bytes_per_sequence * batch.num_seqs, ranks))
 
 
-def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
-    """The step formula, written once: for one step's terms, or elementwise for terms whose fields are numpy
-    arrays (the calibration fits it over a profile's points). The longer of memory and compute plus the
-    unhidden share of the shorter is their sum less `overlap` times the shorter, and the shorter of a and b
-    is (a + b - |a - b|) / 2: no branch, so floats and arrays take the same path."""
+STEP_PARTS = ("fixed", "launches", "experts", "measured_linears", "memory", "compute", "communication")
+
+
+def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[str, float]:
+    """The step formula, written once, as the seconds of each of its parts (`STEP_PARTS`): for one step's
+    terms, or elementwise for terms whose fields are numpy arrays (the calibration fits it over a profile's
+    points). Memory and compute overlap: the longer counts whole, the shorter its unhidden `1 - overlap`
+    share; the shorter of a and b is (a + b - |a - b|) / 2, so floats and arrays take the same path."""
     memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.gemv_weight_bytes / params.gemv_efficiency
               + terms.dequant_bytes / params.dequant_efficiency
               + terms.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
     compute = (terms.linear_flops / params.compute_efficiency
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     shorter = (memory + compute - abs(memory - compute)) / 2
-    communication = (params.collective_latency_s * terms.collective_calls
-                     + terms.collective_wire_bytes / (params.link_efficiency * (peaks.link_bytes_per_s or math.inf)))
-    return (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
-            + params.chunk_overhead_s * terms.num_prefills + params.expert_overhead_s * terms.expert_calls
-            + params.linear_scale * terms.measured_linear_s + memory + compute - params.overlap * shorter
-            + communication)
+    memory_is_shorter = memory <= compute
+    return {
+        "fixed": (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
+                  + params.chunk_overhead_s * terms.num_prefills),
+        "launches": params.kernel_launch_s * terms.kernel_launches,
+        "experts": params.expert_overhead_s * terms.expert_calls,
+        "measured_linears": params.linear_scale * terms.measured_linear_s,
+        "memory": memory - params.overlap * shorter * memory_is_shorter,
+        "compute": compute - params.overlap * shorter * (1 - memory_is_shorter),
+        "communication": (params.collective_latency_s * terms.collective_calls + terms.collective_wire_bytes
+                          / (params.link_efficiency * (peaks.link_bytes_per_s or math.inf))),
+    }
+
+
+def combine(terms: StepTerms, peaks: Peaks, params: StepParameters) -> float:
+    """The step's seconds: the sum of its parts."""
+    return sum(step_parts(terms, peaks, params).values())
+
+
+def expected_max_normal(count: int) -> float:
+    """E[max of `count` independent standard normals]: 0 for one, 0.56 for two, 1.42 for eight."""
+    return _expected_max_normal(int(count))
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_max_normal(count: int) -> float:
+    if count <= 1:
+        return 0.0
+    step = 0.01
+    total = 0.0
+    for index in range(-1000, 1001):          # x from -10 to 10: E[max] = integral of x n phi(x) Phi(x)^(n-1)
+        x = index * step
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * count * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (count - 1) * step
+    return total
 
 
 def step_time(costs: ModelCosts, peaks: Peaks, params: StepParameters, batch: BatchShape,

@@ -1,11 +1,18 @@
-"""The alpha-beta fit of collectives: it recovers a known link from noisy timings."""
+"""Communication in the planner: the alpha-beta fit of collectives recovers a known link from noisy timings, and
+the step model's multi-GPU terms (collectives, kernel launches, expert-parallel imbalance) are what they say."""
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
 
+from planner.calibration import HELD, PARAMETER_NAMES, Points, free_parameters
+from planner.capacity import Deployment, evaluate, kernels_per_step
 from planner.communication import LinkFit, fit_alpha_beta, wire_bytes
 from planner.errors import PlannerError
+from planner.models import get_model
+from planner.step_model import BatchShape, ModelCosts, StepTerms, expected_max_normal
 
 SIZES = [1 << k for k in range(10, 24, 2)]
 
@@ -33,3 +40,58 @@ def test_too_few_sizes_are_refused():
         fit_alpha_beta([{"op": "all_reduce", "bytes": 1024, "ranks": 2, "median_s": 1e-5}] * 3, "all_reduce")
     with pytest.raises(PlannerError, match="unknown collective 'broadcast'"):
         wire_bytes("broadcast", 10, 2)
+
+
+MODELS = ("llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "deepseek-v3", "kimi-k2.6", "glm-5.2", "smollm2-135m")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_one_gpu_has_no_collective_no_launch_and_no_imbalance_term(model):
+    """`planner plan` on one GPU gives the numbers it gave before the multi-GPU terms: with CUDA graphs (the
+    catalogue's default for GPUs) those terms are exactly zero at every batch."""
+    capacity = evaluate(Deployment(model=model, hardware="h200", gpus=1, weights="fp8", kv_dtype="fp8", context=4096))
+    for batch in (1, 7, 64):
+        parts = capacity.step_parts(BatchShape.of([4096] * batch, [(512, 512)]))
+        assert parts["communication"] == 0 and parts["launches"] == 0
+
+
+def test_eight_gpus_pay_each_collective_of_the_step():
+    """Llama-3.1-70B over 8 H200s, one decode at 8192 tokens: the embedding's all-reduce and two per layer of one
+    bf16 hidden state (8192 x 2 bytes), and the all-gather of 128256 / 8 bf16 logits, each 3 us (CUDA graphs)
+    plus its ring bytes over 450 GB/s; without CUDA graphs the latency is 6.5 us and every kernel costs 4 us."""
+    deployment = Deployment(model="llama-3.1-70b", hardware="h200", gpus=8, weights="fp8", kv_dtype="fp8")
+    shape = BatchShape.of([8192], [])
+    layers, hidden, vocab = 80, 8192, 128256
+    wire = 2 * 7 / 8 * (1 + 2 * layers) * hidden * 2 + 7 * vocab // 8 * 2
+    calls = 2 * layers + 2
+    graphs = evaluate(deployment).step_parts(shape)
+    assert graphs["communication"] == pytest.approx(calls * 3e-6 + wire / 450e9, rel=1e-12)
+    eager = evaluate(replace(deployment, cuda_graphs=False))
+    assert eager.step_parts(shape)["communication"] == pytest.approx(calls * 6.5e-6 + wire / 450e9, rel=1e-12)
+    assert eager.step_parts(shape)["launches"] == pytest.approx(kernels_per_step(get_model("llama-3.1-70b"), 8) * 4e-6)
+    assert eager.single_stream_tokens_per_s < evaluate(deployment).single_stream_tokens_per_s
+
+
+def test_the_most_loaded_expert_parallel_gpu_sets_the_pace():
+    """E[max of n standard normals] by quadrature; under expert parallelism the experts a GPU's layer runs are
+    the mean plus that many standard deviations, never more than the GPU holds; one GPU: just the mean."""
+    assert [round(expected_max_normal(n), 3) for n in (1, 2, 4, 8)] == [0.0, 0.564, 1.029, 1.424]
+    shared = dict(dense_weight_bytes=0, linear_flops_per_token=0, attention_flops_per_pair=0, kv_bytes_per_token=0,
+                  num_moe_layers=2, num_experts=256, experts_per_token=8, local_experts=32)
+    mean, spread = ModelCosts(**shared), ModelCosts(**shared, expert_parallel_ranks=8)
+    for tokens in (1, 4, 32):
+        share = 1 - (1 - 8 / 256) ** tokens
+        assert mean.experts_touched(tokens) == pytest.approx(2 * 32 * share)
+        expected = min(32, 32 * share + 1.4236 * (32 * share * (1 - share)) ** 0.5)
+        assert spread.experts_touched(tokens) == pytest.approx(2 * expected, rel=1e-3)
+    assert spread.experts_touched(4096) == pytest.approx(2 * 32)
+
+
+def test_the_launch_cost_is_never_fitted():
+    """One model launches as many kernels at every point of its profile: the calibration keeps the cost at its
+    default rather than trading it against the step overhead."""
+    names = [name for name in PARAMETER_NAMES]
+    assert "kernel_launch_s" in HELD and names.index("kernel_launch_s") >= 0
+    terms = StepTerms(**{item.name: np.ones(3) for item in fields(StepTerms)})
+    free = free_parameters(Points(np.array(["decode"] * 3), terms, np.ones(3)))
+    assert not free[names.index("kernel_launch_s")] and free[names.index("step_overhead_s")]
