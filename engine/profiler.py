@@ -40,7 +40,7 @@ from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
-from engine.memory import ceil_div, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
+from engine.memory import ceil_div, dtype_bytes, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
@@ -223,7 +223,7 @@ def _collective_fields(llm: LLM) -> dict[str, Any]:
         return {}
     config = llm.model_config
     traffic = tensor_parallel_traffic(config.num_layers, config.hidden_size, config.vocab_size, ranks,
-                                      llm.compute_dtype.itemsize)
+                                      dtype_bytes(llm.compute_dtype))
     return {"tensor_parallel": ranks, "collective_calls_per_step": traffic.calls_per_step,
             "allreduce_bytes_per_token": traffic.allreduce_bytes_per_token,
             "gather_bytes_per_sequence": traffic.gather_bytes_per_sequence}
