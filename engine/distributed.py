@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 MEMORY_QUERY = "memory"            # rank 0 asks every rank for the bytes it holds (`Workers.gather`)
 COLLECTIVES = "collectives"         # ("collectives", sizes, repeats): every rank times the collectives together
+TILE_KV = "tile_kv"                 # ("tile_kv", pages): every rank copies those pages of its pool over the rest
 COLLECTIVE_TIMEOUT_S = 120          # a collective a peer never joins ends in an error, not a hang
 FAILURE_WAIT_S = 5.0                # how long rank 0 waits for a failed worker's own account of what went wrong
 
@@ -137,6 +138,8 @@ def worker_main(rank: int, size: int, address: str, config: EngineConfig, errors
                 dist.gather_object(worker.memory(), dst=0)
             elif isinstance(message, tuple) and message[0] == COLLECTIVES:
                 time_collectives(worker.group, *message[1:], worker.device)
+            elif isinstance(message, tuple) and message[0] == TILE_KV:
+                worker.kv_cache.tile(message[1])
             else:
                 worker.run(message)
     except BaseException as error:          # noqa: BLE001 - whatever ends a worker is reported, then re-raised
@@ -244,6 +247,10 @@ class Workers:
             return time_collectives(self.group, sizes, repeats, device)
         except RuntimeError as error:
             raise self.failed(error) from None
+
+    def tile_kv(self, pages: list[int]) -> None:
+        """`PagedKVCache.tile` on every worker's shard (rank 0 tiles its own)."""
+        self.send((TILE_KV, pages))
 
     def close(self) -> None:
         """Tells the workers to stop (if the group still stands), then makes sure they are gone."""

@@ -127,3 +127,15 @@ class PagedKVCache:
         if self.is_fp8:
             rows.mul_(self.latent_scale_row(layer).to(dtype))
         return rows
+
+    def tile(self, written: list[int], max_tile_bytes: int = 256 << 20) -> None:
+        """Copies the `written` pages over the whole pool, in tiles of at most `max_tile_bytes` per pool: the
+        profiler's seeded decodes then read real K/V (zeros convert from FP8 faster than real values)."""
+        index = torch.tensor(written, device=self.device)
+        tile_pages = max(len(written), min(self.num_pages, max_tile_bytes // self.pools[0][:, 0].nbytes))
+        for pool in self.pools:
+            tile = pool[:, index].repeat(1, -(-tile_pages // len(written)), *[1] * (pool.dim() - 2))
+            for start in range(0, self.num_pages, tile.shape[1]):
+                count = min(tile.shape[1], self.num_pages - start)
+                pool[:, start:start + count] = tile[:, :count]
+

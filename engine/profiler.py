@@ -40,7 +40,7 @@ from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
-from engine.memory import ceil_div, dtype_bytes, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
+from engine.memory import dtype_bytes, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
@@ -272,7 +272,7 @@ class Profiler:
     def _fill_pool_with_real_kv(self) -> None:
         """Seeded decodes read pages no step wrote: zeros, which FP8 pages convert 1.7x faster than real
         K/V (measured on this CPU: 5 ms against 8.5 ms for the same elements), so a profile would promise
-        decode steps the engine never runs. One real prefill's K/V, tiled over the whole pool, fixes that."""
+        decode steps the engine never runs. One real prefill's K/V, tiled over the whole pool (on every rank), fixes that."""
         page = self.llm.config.page_size
         tokens = min(1024, self.llm.config.max_num_batched_tokens, self.llm.max_model_len - 2,
                      self.llm.capacity_tokens - page)
@@ -280,14 +280,10 @@ class Profiler:
             return
         seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True))
         self.llm.step()                                  # the prefill writes K/V; the sequence still runs
-        cache = self.llm.kv_cache
-        written = torch.tensor(self.llm.block_manager.block_table(seq_id)[:tokens // page], device=cache.device)
-        tile_pages = max(len(written), min(cache.num_pages, (256 << 20) // cache.pools[0][:, 0].nbytes))  # <= 256 MiB
-        for pool in cache.pools:
-            tile = pool[:, written].repeat(1, ceil_div(tile_pages, len(written)), *[1] * (pool.dim() - 2))
-            for start in range(0, cache.num_pages, tile.shape[1]):
-                count = min(tile.shape[1], cache.num_pages - start)
-                pool[:, start:start + count] = tile[:, :count]
+        written = self.llm.block_manager.block_table(seq_id)[:tokens // page]
+        self.llm.kv_cache.tile(written)
+        if self.llm.workers is not None:             # every rank's shard of the pool, from its own K/V
+            self.llm.workers.tile_kv(written)
         self._clear()
         self._pool_holds_real_kv = True
 

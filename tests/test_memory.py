@@ -52,3 +52,21 @@ def test_parameter_count_matches_the_checkpoint(engine, smollm_path):
     reader, _ = _read_gguf(smollm_path)
     assert engine.model_config.total_parameters == sum(int(t.n_elements) for t in reader.tensors)
     assert engine.model_config.total_parameters == sum(p.numel() for p in engine.model.parameters())
+
+
+def test_tiling_copies_the_written_pages_over_the_whole_pool_in_order():
+    """The profiler's seeded decodes read real K/V: pages 3 and 5, written, repeat over all 11 pages, also where
+    a tile is smaller than the pool (a 3-page budget) and the last tile is cut short."""
+    import torch
+
+    from engine.kv_cache import PagedKVCache
+
+    for max_tile_bytes in (1 << 30, 3 * 2 * 2 * 8 * 4 * 4):
+        cache = PagedKVCache(KVLayout(2, "fp32", num_kv_heads=2, head_dim=8), 11, 4, "cpu")
+        for pool in cache.pools:
+            pool[:, 3] = 1.0
+            pool[:, 5] = 2.0
+        cache.tile([3, 5], max_tile_bytes)
+        for pool in cache.pools:
+            assert [float(pool[0, page].mean()) for page in range(11)] == [1.0, 2.0] * 5 + [1.0]
+            assert torch.equal(pool[1], pool[0])
