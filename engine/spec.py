@@ -371,6 +371,19 @@ class ModelSpec:
         routed = self.ffn.moe_layers * self.ffn.experts_per_token * self.expert_parameters
         return 2.0 * (parts["attention"] + parts["dense_ffn"] + routed + parts["shared_experts"])
 
+    def kernels_per_step(self, tensor_parallel: int = 1) -> int:
+        """Kernels (operators, on a CPU) one decode step launches: in every layer two norms and two residual
+        adds, the attention's (GQA: QKV, rope, cache write, attention, output; MLA also its latent projections,
+        their norms and the absorbed up-projections), the feed-forward's (dense: gate-up, activation, down; MoE:
+        router, top-k, the grouped experts' two matmuls, activation and combine, a shared expert's three), two
+        all-reduces under tensor parallelism; then the embedding, the final norm, the head and sampling. What
+        each costs beyond its work is the step model's `kernel_launch_s`."""
+        attention = 10 if self.attention.kind == "mla" else 5
+        moe = 6 + (3 if self.ffn.shared_intermediate else 0)
+        collectives = 2 if tensor_parallel > 1 else 0
+        return (self.num_layers * (4 + attention + collectives) + self.ffn.dense_layers * 3
+                + self.ffn.moe_layers * moe + 4)
+
     def attention_flops(self) -> dict[str, float]:
         """Attention's FLOPs over all layers, named as the step model's costs: per decode pair, per prefill pair,
         and per context token a prefill chunk re-expands (MLA)."""

@@ -40,8 +40,13 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
           "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
           "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
           "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6)}
-# coefficients a profile of one model cannot tell apart from another: kept at their default (the catalogue's)
+# coefficients one model's profile cannot tell from the step overhead (its kernels are as many at every point):
+# fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
+TERM_OF_HELD = {"kernel_launch_s": "kernel_launches"}
+# what profiles fitted together must share: everything but the depth (and the timings)
+SAME_SETUP = ("engine_version", "device", "hardware", "model", "weights", "group_size", "kv_dtype", "compute_dtype",
+              "integrity", "threads", "tensor_parallel", "expert_parallel", "num_experts", "page_size")
 # each coefficient with the term it scales: one whose term is zero at every point is not fitted
 TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weight_bytes",
            "dequant_efficiency": "dequant_bytes", "compute_efficiency": "linear_flops",
@@ -95,6 +100,7 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
         dequantized_weight_bytes=model.get("dequantized_weight_bytes", 0) if model.get("fused_max_tokens")
         is not None else 0,
         decode_padding_page=model.get("decode_padding_page"),
+        kernels_per_step=model.get("kernels_per_step", 0),
     )
 
 
@@ -128,6 +134,16 @@ class Points:
                    np.array([sample["median_s"] for sample in samples], dtype=float),
                    np.array([sample["collective_s"] for sample in samples], dtype=float) if timed else None)
 
+    @classmethod
+    def joined(cls, parts: list[Points]) -> Points:
+        """Several profiles' points as one set (profiles of one model at several depths)."""
+        collective = [part.collective_seconds for part in parts]
+        return cls(np.concatenate([part.kinds for part in parts]),
+                   StepTerms(**{item.name: np.concatenate([getattr(part.terms, item.name) for part in parts])
+                                for item in fields(StepTerms)}),
+                   np.concatenate([part.seconds for part in parts]),
+                   None if any(c is None for c in collective) else np.concatenate(collective))
+
     def subset(self, mask: np.ndarray) -> Points:
         return Points(self.kinds[mask], StepTerms(**{item.name: getattr(self.terms, item.name)[mask]
                                                      for item in fields(StepTerms)}), self.seconds[mask],
@@ -139,11 +155,15 @@ def predict(points: Points, peaks: Peaks, params: StepParameters) -> np.ndarray:
 
 
 def free_parameters(points: Points) -> np.ndarray:
-    """Which coefficients the points can say anything about: those whose term is not zero everywhere, but for
-    the kernel launch cost: one model launches as many kernels at every point, so it folds into the step
-    overhead."""
-    return np.array([name not in HELD and (bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF
-                                           else True) for name in PARAMETER_NAMES])
+    """Which coefficients the points can say anything about: those whose term is not zero everywhere; the kernel
+    launch cost only where the points launch different numbers of kernels (profiles at several depths), since
+    at one count it is the step overhead's twin."""
+    def says_something(name: str) -> bool:
+        if name in HELD:
+            return np.unique(getattr(points.terms, TERM_OF_HELD[name])).size > 1
+        return bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
+
+    return np.array([says_something(name) for name in PARAMETER_NAMES])
 
 
 COMMUNICATION = ("collective_latency_s", "link_efficiency")
@@ -190,7 +210,7 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
         start = {"step_overhead_s": min(points.seconds) / 4, "seq_overhead_s": 1e-5, "overlap": overlap,
                  "linear_scale": 1.0, "chunk_overhead_s": 1e-3, "expert_overhead_s": 1e-4,
-                 "collective_latency_s": 1e-4, "link_efficiency": 1.0}
+                 "collective_latency_s": 1e-4, "link_efficiency": 1.0, "kernel_launch_s": 1e-6}
         x0 = np.array([start.get(name, efficiency) for name in PARAMETER_NAMES])[free]
         result = least_squares(residuals, x0, bounds=(lower, upper), loss="soft_l1", f_scale=0.05, x_scale=scale,
                                max_nfev=4000)
@@ -228,22 +248,36 @@ def fit_report(points: Points, peaks: Peaks, max_mape: float) -> dict[str, Any]:
     return {"parameters": asdict(params), **report, "holdout_mape_pct": holdout}
 
 
-def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT) -> dict[str, Any]:
-    """Fits a profile; raises PlannerError when any regime's error is above `max_mape` percent."""
+def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT,
+              other_depths: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Fits a profile, with profiles of the same setup at other depths (`engine profile --num-layers`) where
+    given: then the cost per kernel launched is fitted too. Raises PlannerError when any regime's error is
+    above `max_mape` percent, or when another profile's setup differs."""
     fingerprint = profile["fingerprint"]
+    others = other_depths or []
+    for other in others:
+        differs = [key for key in SAME_SETUP if other["fingerprint"].get(key) != fingerprint.get(key)]
+        if differs:
+            raise PlannerError(f"profiles fitted together must differ only in depth; these differ in "
+                               f"{', '.join(differs)}: {[other['fingerprint'].get(k) for k in differs]!r} against "
+                               f"{[fingerprint.get(k) for k in differs]!r}")
     costs = profile_costs(profile["model"])
     peaks = profile_peaks(fingerprint, profile.get("collectives"))
+    points = Points.joined([Points.of(p["samples"], profile_costs(p["model"])) for p in [profile, *others]])
     document = {
         "version": CALIBRATION_VERSION,
         "fingerprint": fingerprint,
         "samples_sha256": samples_hash(profile),
         "model": profile["model"],
         "peaks": asdict(peaks),
-        **fit_report(Points.of(profile["samples"], costs), peaks, max_mape),
+        **fit_report(points, peaks, max_mape),
         "max_mape_pct": max_mape,
-        "num_samples": len(profile["samples"]),
+        "num_samples": len(points.seconds),
     }
-    if profile.get("linears"):
+    if others:
+        document["other_depths"] = [{"num_layers": other["model"]["num_layers"], "samples_sha256": samples_hash(other),
+                                     "num_samples": len(other["samples"])} for other in others]
+    elif profile.get("linears"):
         linears = MeasuredLinears.of(profile["linears"])
         document["measured_linears"] = {"linears": profile["linears"],
                                         **fit_report(Points.of(profile["samples"], costs, linears), peaks, max_mape)}

@@ -74,16 +74,15 @@ def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str
 
 def step_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
     """(parameters, measured peaks or None, where they came from). A given calibration must match. What a profile
-    cannot have measured comes from the catalogue: the collectives' latency where it ran on one device, and the
-    launch cost per kernel (never fitted: `planner.calibration.HELD`)."""
+    did not measure comes from the catalogue: the collectives' latency where it ran on one device, the cost per
+    kernel launched where it was not profiled at several depths (`planner.calibration.HELD`). With CUDA graphs
+    a step launches once: no cost per kernel, whatever an eager engine's profile measured."""
     graphs = hardware.cuda_graphs if deployment.cuda_graphs is None else deployment.cuda_graphs
-    catalogued = {"collective_latency_s": hardware.collective_latency(graphs),
-                  "kernel_launch_s": hardware.launch_cost(graphs)}
     params, measured, source = _fitted_parameters(deployment, hardware)
     if measured is None and not params.collective_latency_s:
-        params = replace(params, collective_latency_s=catalogued["collective_latency_s"])
-    if measured is None:
-        params = replace(params, kernel_launch_s=catalogued["kernel_launch_s"])
+        params = replace(params, collective_latency_s=hardware.collective_latency(graphs))
+    if graphs or not params.kernel_launch_s:
+        params = replace(params, kernel_launch_s=hardware.launch_cost(graphs))
     return params, measured, source
 
 
@@ -106,19 +105,6 @@ def _fitted_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[
                               kv_dtype=deployment.kv_dtype)
     peaks = calibration.peaks if hardware.calibrated else None
     return calibration.parameters, peaks, f"calibration {Path(path).name}"
-
-
-def kernels_per_step(model: ModelSpec, tensor_parallel: int) -> int:
-    """Kernels one decode step of a fused engine launches: in every layer two norms and two residual adds, the
-    attention's (GQA: QKV, rope, cache write, attention, output; MLA also its latent projections, their norms
-    and the absorbed up-projections), the feed-forward's (dense: gate-up, activation, down; MoE: router, top-k,
-    the grouped experts' two matmuls, activation and combine, and a shared expert's three), and under tensor
-    parallelism two all-reduces; then the embedding, the final norm, the head and sampling."""
-    attention = 10 if model.attention.kind == "mla" else 5
-    ffn = model.ffn
-    dense, moe = 3, 6 + (3 if ffn.shared_intermediate else 0)
-    collectives = 2 if tensor_parallel > 1 else 0
-    return (model.num_layers * (4 + attention + collectives) + ffn.dense_layers * dense + ffn.moe_layers * moe + 4)
 
 
 def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
@@ -151,7 +137,7 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
         tensor_parallel=parallel.tp, collective_calls_per_step=traffic.calls_per_step,
         allreduce_bytes_per_token=traffic.allreduce_bytes_per_token,
         gather_bytes_per_sequence=traffic.gather_bytes_per_sequence,
-        kernels_per_step=kernels_per_step(model, parallel.tp),
+        kernels_per_step=model.kernels_per_step(parallel.tp),
         expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1)
 
 

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile")
     calibrate.add_argument("profile", help="a profile written by `engine profile`")
+    calibrate.add_argument("other_depths", nargs="*", metavar="profile_at_other_depth",
+                           help="profiles of the same setup at other --num-layers: the cost per kernel is fitted too")
     calibrate.add_argument("--out", required=True, help="where to write the calibration JSON")
     calibrate.add_argument("--max-mape", type=float, default=None,
                            help="refuse a fit whose error in any regime is above this percentage (default 15)")
@@ -188,7 +190,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise PlannerError(f"the folder of --out {str(out)!r} does not exist")
-    calibration = calibrate(load_profile(args.profile), max_mape)
+    calibration = calibrate(load_profile(args.profile), max_mape, [load_profile(path) for path in args.other_depths])
     out.write_text(json.dumps(calibration, indent=1) + "\n")
     keys = ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct", "holdout_mape_pct", "parameters")
     payload = {key: calibration.get(key) for key in keys}

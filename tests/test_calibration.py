@@ -246,3 +246,10 @@ def test_every_coefficient_has_bounds_and_the_formula_is_the_same_on_arrays():
     one_by_one = [step_time(costs, peaks, params, BatchShape(**s["batch"])) for s in profile["samples"]]
     assert predict(points, peaks, params) == pytest.approx(one_by_one, rel=1e-12)
     assert len({round(t, 9) for t in one_by_one}) > len(one_by_one) // 2      # points of different shapes
+
+
+def test_profiles_fitted_together_must_differ_only_in_depth():
+    folder = PROFILES[0].parent
+    profiles = [load_profile(folder / f"cpu-smollm2-135m-fp32-kv{kv}.profile.json") for kv in ("bf16", "fp32")]
+    with pytest.raises(PlannerError, match="differ only in depth; these differ in kv_dtype"):
+        calibrate(profiles[0], other_depths=profiles[1:])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from planner.calibration import HELD, PARAMETER_NAMES, Points, free_parameters
-from planner.capacity import Deployment, evaluate, kernels_per_step
+from planner.capacity import Deployment, evaluate
 from planner.communication import LinkFit, fit_alpha_beta, wire_bytes
 from planner.errors import PlannerError
 from planner.models import get_model
@@ -68,7 +68,7 @@ def test_eight_gpus_pay_each_collective_of_the_step():
     assert graphs["communication"] == pytest.approx(calls * 3e-6 + wire / 450e9, rel=1e-12)
     eager = evaluate(replace(deployment, cuda_graphs=False))
     assert eager.step_parts(shape)["communication"] == pytest.approx(calls * 6.5e-6 + wire / 450e9, rel=1e-12)
-    assert eager.step_parts(shape)["launches"] == pytest.approx(kernels_per_step(get_model("llama-3.1-70b"), 8) * 4e-6)
+    assert eager.step_parts(shape)["launches"] == pytest.approx(get_model("llama-3.1-70b").kernels_per_step(8) * 4e-6)
     assert eager.single_stream_tokens_per_s < evaluate(deployment).single_stream_tokens_per_s
 
 
@@ -87,11 +87,13 @@ def test_the_most_loaded_expert_parallel_gpu_sets_the_pace():
     assert spread.experts_touched(4096) == pytest.approx(2 * 32)
 
 
-def test_the_launch_cost_is_never_fitted():
+def test_the_launch_cost_is_fitted_only_across_depths():
     """One model launches as many kernels at every point of its profile: the calibration keeps the cost at its
-    default rather than trading it against the step overhead."""
-    names = [name for name in PARAMETER_NAMES]
-    assert "kernel_launch_s" in HELD and names.index("kernel_launch_s") >= 0
-    terms = StepTerms(**{item.name: np.ones(3) for item in fields(StepTerms)})
-    free = free_parameters(Points(np.array(["decode"] * 3), terms, np.ones(3)))
+    default rather than trading it against the step overhead, unless the points come from several depths."""
+    names = list(PARAMETER_NAMES)
+    assert "kernel_launch_s" in HELD
+    terms = StepTerms(**{item.name: np.ones(4) for item in fields(StepTerms)})
+    free = free_parameters(Points(np.array(["decode"] * 4), terms, np.ones(4)))
     assert not free[names.index("kernel_launch_s")] and free[names.index("step_overhead_s")]
+    deeper = replace(terms, kernel_launches=np.array([50.0, 50.0, 90.0, 90.0]))
+    assert free_parameters(Points(np.array(["decode"] * 4), deeper, np.ones(4)))[names.index("kernel_launch_s")]

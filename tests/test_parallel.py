@@ -178,35 +178,46 @@ def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_rank_profile(tmp_path_factory) -> str:
-    """A model big enough that its steps are more than collectives (8 layers of 256), profiled over two ranks."""
+def two_rank_profiles(tmp_path_factory) -> dict[int, str]:
+    """A model big enough that its steps are more than collectives (8 layers of 256), profiled over two ranks,
+    and the same cut to 4 layers (`--num-layers`), by depth."""
     path = write_config(tmp_path_factory, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                         num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
-    out = tmp_path_factory.mktemp("tp2") / "tp2.profile.json"
-    made = run_cli("profile", "--model", path, "--device", "cpu", "--threads", "1", "--tensor-parallel", "2",
-                   "--memory-gib", "0.05", "--prefill-tokens", "16", "64", "128", "256", "512",
-                   "--batches", "1", "2", "4", "8", "16", "--contexts", "32", "128", "256", "--repeats", "2",
-                   "--out", str(out), "--json", timeout=900)
-    assert made.returncode == 0, made.stderr
-    return str(out)
+    folder = tmp_path_factory.mktemp("tp2")
+    profiles = {}
+    for layers in (8, 4):
+        out = folder / f"tp2-{layers}layers.profile.json"
+        made = run_cli("profile", "--model", path, "--num-layers", str(layers), "--device", "cpu", "--threads", "1",
+                       "--tensor-parallel", "2", "--memory-gib", "0.05", "--prefill-tokens", "16", "64", "128", "256",
+                       "512", "--batches", "1", "2", "4", "8", "16", "--contexts", "32", "128", "256", "--repeats",
+                       "2", "--out", str(out), "--json", timeout=900)
+        assert made.returncode == 0, made.stderr
+        profiles[layers] = str(out)
+    return profiles
 
 
-def test_the_calibration_fits_a_two_rank_profile(two_rank_profile):
-    """The collectives' latency and link efficiency are fitted to the time each step spent in them, the rest
-    to the step times; every regime within the calibration's 15%."""
+def test_the_calibration_fits_a_two_rank_profile(two_rank_profiles):
+    """The collectives' latency and link efficiency are fitted to the time each step spent in them; with the
+    same model at half the depth, the cost per kernel launched too (one model alone cannot tell it from the
+    step overhead); the rest to the step times. Every regime within the calibration's 15%."""
     from planner.calibration import MAX_MAPE_PCT, calibrate
 
-    document = calibrate(json.loads(open(two_rank_profile).read()))
-    errors = {k: v for k, v in document.items() if k.startswith("mape_")}
-    assert all(error < MAX_MAPE_PCT for error in errors.values()), errors
-    assert document["parameters"]["collective_latency_s"] > 0 and document["peaks"]["link_bytes_per_s"] > 0
+    deep, shallow = (json.loads(open(two_rank_profiles[layers]).read()) for layers in (8, 4))
+    assert deep["model"]["kernels_per_step"] == 8 * (4 + 5 + 2 + 3) + 4
+    alone, both = calibrate(deep), calibrate(deep, other_depths=[shallow])
+    assert alone["parameters"]["kernel_launch_s"] == 0 and both["other_depths"][0]["num_layers"] == 4
+    for document in (alone, both):
+        errors = {k: v for k, v in document.items() if k.startswith("mape_")}
+        assert all(error < MAX_MAPE_PCT for error in errors.values()), errors
+        assert document["parameters"]["collective_latency_s"] > 0 and document["peaks"]["link_bytes_per_s"] > 0
+    assert both["parameters"]["kernel_launch_s"] > 0
 
 
-def test_verification_of_a_two_rank_profile_against_the_two_rank_engine(two_rank_profile):
+def test_verification_of_a_two_rank_profile_against_the_two_rank_engine(two_rank_profiles):
     """`planner verify` serves the workload on a two-rank engine (its drift probes on a second two-rank engine
     in a process of its own): the KV capacity is the planner's exactly, and replaying the engine's step times
     through the simulator's scheduler gives the very batches the engine ran."""
-    args = ["verify", "--profile", two_rank_profile, "--workload", "poisson", "--rate", "8", "--requests", "12",
+    args = ["verify", "--profile", two_rank_profiles[8], "--workload", "poisson", "--rate", "8", "--requests", "12",
             "--prompt-tokens", "64", "--output-tokens", "8", "--kv-cache-gib", "0.02", "--json"]
     made = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=900)
     assert made.returncode == 0, made.stderr
