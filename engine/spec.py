@@ -129,6 +129,8 @@ class Attention:
     indexer_layers: int = 0         # DSA: layers that hold an indexer (its keys are cached per token)
     indexer_heads: int = 0
     indexer_head_dim: int = 0
+    # DSA, per layer: "full" runs its own indexer, "shared" reuses the previous full layer's selection
+    indexer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.kind in ("gqa", "mla"), f"unknown attention kind {self.kind!r}")
@@ -284,8 +286,9 @@ class ModelSpec:
             _require(isinstance(num_layers, int) and 0 < num_layers <= self.num_layers,
                      f"--num-layers must be in 1..{self.num_layers}, got {num_layers!r}")
             attention = self.attention
-            if attention.indexer_layers:
-                attention = replace(attention, indexer_layers=min(attention.indexer_layers, num_layers))
+            if attention.indexer_types:
+                types = attention.indexer_types[:num_layers]
+                attention = replace(attention, indexer_types=types, indexer_layers=types.count("full"))
             spec = replace(spec, num_layers=num_layers, attention=attention,
                            ffn=replace(spec.ffn, layer_kinds=spec.ffn.layer_kinds[:num_layers]))
         if num_experts is not None:
@@ -458,20 +461,37 @@ def _attention(config: dict[str, Any], family: str, num_layers: int) -> Attentio
     hidden = int(config["hidden_size"])
     if config.get("kv_lora_rank"):
         nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-        indexer_layers = 0
-        if config.get("index_head_dim"):
-            offset = int(config.get("index_skip_topk_offset", 0))
-            freq = int(config.get("index_topk_freq", 1))
-            indexer_layers = -(-(num_layers - offset) // freq)     # one indexer shared by `freq` sparse layers
+        types = _indexer_types(config, num_layers) if config.get("index_head_dim") else ()
         return Attention("mla", heads, heads, nope + rope, int(config["v_head_dim"]),
                          q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(config["kv_lora_rank"]),
-                         qk_nope_head_dim=nope, qk_rope_head_dim=rope, indexer_layers=indexer_layers,
+                         qk_nope_head_dim=nope, qk_rope_head_dim=rope, indexer_layers=types.count("full"),
                          indexer_heads=int(config.get("index_n_heads") or 0),
-                         indexer_head_dim=int(config.get("index_head_dim") or 0))
+                         indexer_head_dim=int(config.get("index_head_dim") or 0), indexer_types=types)
     head_dim = int(config.get("head_dim") or hidden // heads)
     return Attention("gqa", heads, int(config.get("num_key_value_heads") or heads), head_dim, head_dim,
                      qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
                      qk_norm=family in ("qwen3", "qwen3_moe") or bool(config.get("use_qk_norm")))
+
+
+def _indexer_types(config: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """DSA's per-layer indexer modes: the config's `indexer_types`, else its `index_topk_pattern` ("F"/"S"),
+    else transformers' rule from `index_topk_freq` and `index_skip_topk_offset` (layer i runs its own indexer
+    when max(i - offset + 1, 0) is a multiple of freq: every layer up to the offset, then one in freq)."""
+    types = config.get("indexer_types")
+    pattern = config.get("index_topk_pattern")
+    if types is None and pattern is not None:
+        types = [{"F": "full", "S": "shared"}.get(mode, mode) for mode in pattern]
+    if types is None:
+        freq = max(int(config.get("index_topk_freq") or 1), 1)
+        offset = int(config.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    types = tuple(types)
+    _require(set(types) <= {"full", "shared"}, f"indexer_types must be 'full' or 'shared', got "
+                                                f"{sorted(set(types) - {'full', 'shared'})!r}")
+    _require(len(types) == num_layers, f"{len(types)} indexer_types for {num_layers} layers")
+    _require(not types or types[0] == "full", "the first layer's indexer type must be 'full' (a 'shared' layer "
+                                              "reuses the previous full layer's selection)")
+    return types
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -24,9 +24,29 @@ def test_kv_bytes_per_token_by_hand():
     # MLA: one latent of 512 plus a rope key of 64 per layer, 61 layers, 2 bytes
     for name in ("deepseek-v3", "kimi-k2.6"):
         assert kv_bytes_per_token_total(get_model(name), "bf16") == 61 * (512 + 64) * 2 == 70_272
-    # GLM-5.2: MLA over 78 layers plus the DSA indexer key (128) on the 19 layers holding an indexer
-    assert kv_bytes_per_token_total(get_model("glm-5.2"), "bf16") == 78 * 576 * 2 + 19 * 128 * 2
-    assert kv_bytes_per_token_total(get_model("glm-5.2"), "fp8") == 78 * 576 + 19 * (128 + 4)
+    # GLM-5.2: MLA over 78 layers plus the DSA indexer key (128) on the 21 layers whose `indexer_types` is "full"
+    assert kv_bytes_per_token_total(get_model("glm-5.2"), "bf16") == 78 * 576 * 2 + 21 * 128 * 2
+    assert kv_bytes_per_token_total(get_model("glm-5.2"), "fp8") == 78 * 576 + 21 * (128 + 4)
+
+
+def test_dsa_indexer_layers_follow_indexer_types():
+    """GLM 5.2 lists each layer's indexer: layers 0-2 and every fourth from 6 run their own ("full", 21 of 78),
+    the others reuse the previous selection and cache no indexer key. Without the list, transformers' rule from
+    `index_topk_freq` / `index_skip_topk_offset` gives the same layers; a truncated model counts its own."""
+    glm = get_model("glm-5.2")
+    types = glm.attention.indexer_types
+    assert [i for i, kind in enumerate(types) if kind == "full"] == [0, 1, 2, *range(6, 78, 4)]
+    assert glm.attention.indexer_layers == 21
+    assert [glm.truncated(n).attention.indexer_layers for n in (1, 3, 4, 6, 7)] == [1, 3, 3, 3, 4]
+    config = json.loads((CONFIGS / "glm-5.2.json").read_text())
+    del config["indexer_types"]
+    assert spec_from_config(config, "glm").attention.indexer_types == types
+    config["index_topk_pattern"] = "FS" * 39
+    assert spec_from_config(config, "glm").attention.indexer_layers == 39
+    for bad, message in ((["full", "sparse"] * 39, "must be 'full' or 'shared'"), (["full"] * 77, "77 indexer_types"),
+                         (["shared"] * 78, "first layer's indexer type")):
+        with pytest.raises(PlannerError, match=message):
+            spec_from_config({**config, "indexer_types": bad}, "glm")
 
 
 @pytest.mark.parametrize("name, total, active", [
