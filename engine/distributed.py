@@ -6,8 +6,9 @@ positions, cache slots, block tables; plain lists). With integrity checks on, ev
 tables against its own record and the ranks agree on the violations in one small all-reduce before the
 forward pass (`engine.integrity.agree`). Ranks 1..N-1 are worker processes the engine spawns itself (no
 `torchrun`); each holds its shard of the weights and of the KV pool (its attention heads), runs the same
-forward pass on the plan, and meets the others in the collectives: one all-reduce after attention and one after the feed-forward
-of every layer, one after the vocab-parallel embedding, one all-gather of the vocab-parallel logits.
+forward pass on the plan, and meets the others in the collectives: one all-reduce after attention and one
+after the feed-forward of every layer, one after the vocab-parallel embedding, one all-gather of the
+vocab-parallel logits.
 
 Several nodes, or `torchrun`, would launch the same `worker_main` with their own rank and a shared address
 (`MASTER_ADDR:MASTER_PORT`); this module starts every rank on one node, on a free local port.

@@ -31,6 +31,7 @@ from engine.block_manager import BlockManager
 from engine.config import INTEGRITY_MODES
 from engine.distributed import TensorGroup
 from engine.kv_cache import PagedKVCache
+from engine.memory import pages_filled
 from engine.scheduler import ScheduledSequence
 from engine.step_plan import StepPlan
 
@@ -282,9 +283,8 @@ class IntegrityChecker(PageRecord):
             return
         self._flush()
         page_size = self.block_manager.page_size
-        self.seal_pages([page for item in items
-                         for page in self.block_manager.block_table(item.seq.seq_id)
-                         [item.start // page_size:item.end // page_size]])
+        self.seal_pages([page for item in items for page in pages_filled(
+            self.block_manager.block_table(item.seq.seq_id), item.start, item.end, page_size)])
 
 
 def agree(group: TensorGroup, plan: StepPlan, found: list[Violation]) -> dict[int, Violation]:

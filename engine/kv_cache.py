@@ -138,4 +138,3 @@ class PagedKVCache:
             for start in range(0, self.num_pages, tile.shape[1]):
                 count = min(tile.shape[1], self.num_pages - start)
                 pool[:, start:start + count] = tile[:, :count]
-

@@ -239,10 +239,11 @@ class LLM:
     def _abort_violating(self, output: SchedulerOutput, violations: list[Violation]) -> list[RequestOutput]:
         """Aborts the requests of `violations` and takes them out of the step. A corrupted FP8 scale found on
         another rank concerns every request holding pages, as rank 0's record says."""
-        if any(violation.kind == "fp8_scale" and violation.rank for violation in violations):
-            rank = next(violation.rank for violation in violations if violation.kind == "fp8_scale")
-            violations = violations + [Violation(seq_id, "fp8_scale", None, rank=rank)
-                                       for seq_id in self.integrity.holders()]
+        scales_rank = next((v.rank for v in violations if v.kind == "fp8_scale" and v.rank), None)
+        if scales_rank is not None:
+            named = {violation.seq_id for violation in violations}
+            violations = violations + [Violation(seq_id, "fp8_scale", None, rank=scales_rank)
+                                       for seq_id in self.integrity.holders() if seq_id not in named]
         aborted = []
         for violation in violations:
             log.error("integrity violation: %s", violation.describe())

@@ -128,6 +128,11 @@ def ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
+def pages_filled(table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """The pages of `table` that writing positions start..end-1 completes (integrity's `full` mode seals them)."""
+    return table[start // page_size:end // page_size]
+
+
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     return ceil_div(num_tokens, page_size)
 

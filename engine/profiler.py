@@ -273,7 +273,8 @@ class Profiler:
     def _fill_pool_with_real_kv(self) -> None:
         """Seeded decodes read pages no step wrote: zeros, which FP8 pages convert 1.7x faster than real
         K/V (measured on this CPU: 5 ms against 8.5 ms for the same elements), so a profile would promise
-        decode steps the engine never runs. One real prefill's K/V, tiled over the whole pool (on every rank), fixes that."""
+        decode steps the engine never runs. One real prefill's K/V, tiled over the whole pool (on every rank),
+        fixes that."""
         page = self.llm.config.page_size
         tokens = min(1024, self.llm.config.max_num_batched_tokens, self.llm.max_model_len - 2,
                      self.llm.capacity_tokens - page)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from engine.memory import pages_filled
+
 if TYPE_CHECKING:
     from engine.faults import WorkerFault
 
@@ -55,7 +57,7 @@ class StepPlan:
         spans = [(length - 1, length) for length in self.decode_lens]
         spans += [(context - tokens, context) for _, tokens, context, _ in self.prefills]
         return [page for (start, end), table in zip(spans, self.tables())
-                for page in table[start // page_size:end // page_size]]
+                for page in pages_filled(table, start, end, page_size)]
 
     def without(self, dropped: set[int]) -> StepPlan:
         """The plan with the `dropped` items taken out, rows renumbered: every rank derives the same one."""

@@ -43,7 +43,6 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
 # coefficients one model's profile cannot tell from the step overhead (its kernels are as many at every point):
 # fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
-TERM_OF_HELD = {"kernel_launch_s": "kernel_launches"}
 # what profiles fitted together must share: everything but the depth (and the timings)
 SAME_SETUP = ("engine_version", "device", "hardware", "model", "weights", "group_size", "kv_dtype", "compute_dtype",
               "integrity", "threads", "tensor_parallel", "expert_parallel", "num_experts", "page_size")
@@ -53,7 +52,7 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
-           "link_efficiency": "collective_wire_bytes"}
+           "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -159,9 +158,10 @@ def free_parameters(points: Points) -> np.ndarray:
     launch cost only where the points launch different numbers of kernels (profiles at several depths), since
     at one count it is the step overhead's twin."""
     def says_something(name: str) -> bool:
-        if name in HELD:
-            return np.unique(getattr(points.terms, TERM_OF_HELD[name])).size > 1
-        return bool(getattr(points.terms, TERM_OF[name]).any()) if name in TERM_OF else True
+        if name not in TERM_OF:
+            return True
+        term = getattr(points.terms, TERM_OF[name])
+        return np.unique(term).size > 1 if name in HELD else bool(term.any())
 
     return np.array([says_something(name) for name in PARAMETER_NAMES])
 

@@ -231,8 +231,8 @@ def evaluate(deployment: Deployment) -> Capacity:
     plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
                        deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
                        max_seqs=deployment.max_num_seqs)
-    link = None if parallel.tp == 1 else (measured.link_bytes_per_s if measured is not None and measured.link_bytes_per_s
-                                          else hardware.link_bytes_per_s)
+    measured_link = measured.link_bytes_per_s if measured is not None else None
+    link = None if parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
     peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
     costs = model_costs(model, plan)
     per_replica = plan.max_concurrency(deployment.context) // parallel.replicas

@@ -175,8 +175,8 @@ class StepParameters:
     collective_latency_s: float = 0.0   # per collective: the alpha of alpha-beta, with the ranks' skew
     link_efficiency: float = 1.0        # share of the link's bandwidth the collectives reach
     # per kernel launched: the host's launch cost, which a GPU step without CUDA graphs pays for each of its kernels
-    # (a CUDA graph replays them all in one launch); never fitted, since for one model it cannot be told from
-    # step_overhead_s: it comes from the hardware catalogue
+    # (a CUDA graph replays them all in one launch); for one model it cannot be told from step_overhead_s, so it
+    # is fitted only over profiles at several depths, else it comes from the hardware catalogue
     kernel_launch_s: float = 0.0
 
     def __post_init__(self) -> None:

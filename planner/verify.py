@@ -252,7 +252,8 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
         if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
             profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
         else:
-            profiler = Profiler(engine_of(fingerprint, kv_cache_gib, **reference_settings), SweepPlan(warmup=1, repeats=1))
+            profiler = Profiler(engine_of(fingerprint, kv_cache_gib, **reference_settings),
+                                SweepPlan(warmup=1, repeats=1))
         probes = DriftProbes(profiler, probe_samples(profile, profiler))
         warm_up(llm, max(spec.prompt_tokens for spec in specs))
         cpu_before = cpu_ticks()
