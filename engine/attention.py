@@ -40,6 +40,23 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
 
 
+@dataclass(frozen=True)
+class Selection:
+    """DSA: the cached positions each query row attends to, chosen by a layer's indexer and reused by the layers
+    that share it. [rows, k] positions in the sequence, -1 where a row has fewer than k; None where every row
+    sees its whole context (none is longer than `index_topk`), which is then attended densely."""
+
+    decodes: torch.Tensor | None
+    prefills: tuple[torch.Tensor | None, ...]
+
+
+def selection_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[rows, k] selected positions → [rows, context_len] bool: True where a row attends."""
+    mask = torch.zeros(positions.shape[0], context_len + 1, dtype=torch.bool, device=positions.device)
+    mask.scatter_(1, torch.where(positions < 0, context_len, positions), True)
+    return mask[:, :context_len]
+
+
 def decode_mask(context_lens: torch.Tensor, max_pages: int, page_size: int) -> torch.Tensor:
     slots = torch.arange(max_pages * page_size, device=context_lens.device)
     return (slots[None, :] < context_lens[:, None])[:, None, None, :]

@@ -68,27 +68,29 @@ class Violation:
         return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy{where}"
 
 
-def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> torch.Tensor:
-    """Random odd 64-bit weights, one per 8-byte word of a page in each layer and pool (K and V, or the latent).
+def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> list[torch.Tensor]:
+    """Random odd 64-bit weights, one per 8-byte word of a page in each layer of each pool (K and V, or the
+    latent; a DSA model's indexer keys and their scales too): [layers, 1, words per page] per pool.
 
     Multiplying by an odd number is a bijection modulo 2**64, so any change within one word (a flipped
     bit, a burst) changes that word's term and hence the checksum.
     """
-    pool = kv_cache.pools[0]
-    words_per_layer = pool[0, 0].numel() * pool.element_size() // 8
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.randint(-(1 << 62), 1 << 62, (len(kv_cache.pools), pool.shape[0], 1, words_per_layer),
-                            generator=generator)
-    return (weights * 2 + 1).to(pool.device)
+    weights = []
+    for pool in kv_cache.pools:
+        words_per_page = pool[0, 0].numel() * pool.element_size() // 8
+        drawn = torch.randint(-(1 << 62), 1 << 62, (pool.shape[0], 1, words_per_page), generator=generator)
+        weights.append((drawn * 2 + 1).to(pool.device))
+    return weights
 
 
-def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """One int64 checksum per page: sum over layers and pools of word × weight, wrapping modulo 2**64."""
     sums = []
     for chunk in pages.split(CHECKSUM_CHUNK_PAGES):
         total = torch.zeros(len(chunk), dtype=torch.int64, device=pages.device)
         for pool, pool_weights in zip(kv_cache.pools, weights):
-            words = pool[:, chunk].view(torch.int64).reshape(pool.shape[0], len(chunk), -1)
+            words = pool[:, chunk].reshape(pool.shape[0], len(chunk), -1).view(torch.int64)
             total += (words * pool_weights).sum(dim=(0, 2))
         sums.append(total)
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=pages.device)
@@ -116,9 +118,10 @@ class PageRecord:
         self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
         self.full = mode == "full"
         if self.full:
-            row_bytes = kv_cache.pools[0].shape[-1] * kv_cache.pools[0].element_size()
-            if row_bytes % 8:
-                raise ValueError(f"full integrity checks need KV rows of a multiple of 8 bytes, got {row_bytes}")
+            page_bytes = [pool[0, 0].numel() * pool.element_size() for pool in kv_cache.pools]
+            if any(size % 8 for size in page_bytes):
+                raise ValueError(f"full integrity checks need pages of a multiple of 8 bytes in every layer, got "
+                                 f"{page_bytes}")
             self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)
             self.checksums = torch.zeros(num_pages, dtype=torch.int64, device=device)
             self.weights = checksum_weights(kv_cache, seed)

@@ -13,6 +13,14 @@ MLA one for the latent and one for the rope key. They are given, or calibrated o
 at ±448 · scale. (Measured on SmolLM2: 2x headroom over the calibration amax cost +0.4% perplexity, more
 than the rare clipping it avoids.) Static scales keep a page exactly `page_size` x elements bytes, so FP8
 holds twice the tokens of BF16 less a few bytes of scales.
+
+A DSA model's indexer keys sit under the same pages, one row per token in each layer with its own indexer:
+
+    indexer keys     [indexer_layers, num_pages, page_size, indexer_dim]
+    indexer scales   [indexer_layers, num_pages, page_size] fp32, FP8 only: one per token (amax / 448)
+
+They follow the latent pools in `pools`, so whatever walks the pages (integrity checksums, fault injection,
+the profiler's tiling) covers them too.
 """
 from __future__ import annotations
 
@@ -39,6 +47,11 @@ class PagedKVCache:
             scale_shapes = [(layout.num_layers, layout.num_kv_heads)] * 2
         self.pools = tuple(torch.zeros((layout.num_layers, num_pages, page_size, *row), dtype=dtype, device=device)
                            for _ in scale_shapes)
+        if layout.indexer_layers:
+            index_pages = (layout.indexer_layers, num_pages, page_size)
+            self.pools += (torch.zeros((*index_pages, layout.indexer_dim), dtype=dtype, device=device),)
+            if self.is_fp8:
+                self.pools += (torch.ones(index_pages, dtype=torch.float32, device=device),)
         self.scales = tuple(torch.ones(shape, dtype=torch.float32, device=device)
                             for shape in scale_shapes) if self.is_fp8 else ()
         self.calibrating = False
@@ -58,6 +71,10 @@ class PagedKVCache:
     @property
     def latents(self) -> torch.Tensor:
         return self.pools[0]
+
+    @property
+    def index_keys(self) -> torch.Tensor:
+        return self.pools[1]
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +141,29 @@ class PagedKVCache:
     def gather_latent(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows of the given pages ([..., page_size, latent_dim + rope_dim] per index) in `dtype`."""
         rows = self.latents[layer][pages].to(dtype)
+        if self.is_fp8:
+            rows.mul_(self.latent_scale_row(layer).to(dtype))
+        return rows
+
+    def write_index_keys(self, slot: int, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
+        """Stores new tokens' indexer keys ([T, indexer_dim]) in indexer row `slot`; FP8 with a scale per token."""
+        pool = self.index_keys[slot].view(-1, keys.shape[-1])
+        if self.is_fp8:
+            scales = fp8_scale(keys.float().abs().amax(dim=-1))
+            self.pools[2][slot].view(-1)[slot_mapping] = scales
+            keys = quantize_fp8(keys, scales[:, None])
+        pool[slot_mapping] = keys.to(pool.dtype)
+
+    def gather_index_keys(self, slot: int, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Indexer keys of the given pages ([..., page_size, indexer_dim] per index) in `dtype`."""
+        keys = self.index_keys[slot][pages].to(dtype)
+        if self.is_fp8:
+            keys.mul_(self.pools[2][slot][pages].to(dtype)[..., None])
+        return keys
+
+    def gather_latent_rows(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows of the given flat token slots ([..., latent_dim + rope_dim] per slot) in `dtype`."""
+        rows = self.latents[layer].view(-1, self.latents.shape[-1])[slots].to(dtype)
         if self.is_fp8:
             rows.mul_(self.latent_scale_row(layer).to(dtype))
         return rows

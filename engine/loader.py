@@ -358,6 +358,8 @@ def _random_value(param: torch.Tensor, name: str, seed: int, index: int) -> None
     """Seeded normal weights (norms at one): enough for timing an architecture whose weights are not here."""
     if name.endswith("norm.weight"):
         param.data.fill_(1.0)
+    elif name.endswith("norm.bias"):
+        param.data.zero_()
     else:
         generator = torch.Generator(device=param.device).manual_seed(seed * 100_003 + index)
         param.data.normal_(0.0, RANDOM_INIT_STD, generator=generator)

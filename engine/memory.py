@@ -39,6 +39,10 @@ class KVLayout:
     kv_lora_rank) and the rope key it shares across heads (`rope_dim`). FP8 pages carry static fp32 scales per
     layer: one per KV head for K and for V, or one for the latent and one for the rope key (they differ in
     range: the latent is RMS-normalized, the rope key is not).
+
+    A DSA model also caches, in each of its `indexer_layers` (those that run their own indexer), the token's
+    indexer key (`indexer_dim`) under the same pages: in the KV dtype, and in FP8 with one fp32 scale per token
+    (a LayerNorm'd key needs no calibration then, and it is the layout DeepSeek's sparse kernels read).
     """
 
     num_layers: int
@@ -47,6 +51,8 @@ class KVLayout:
     head_dim: int = 0
     latent_dim: int = 0
     rope_dim: int = 0
+    indexer_layers: int = 0
+    indexer_dim: int = 0
 
     def __post_init__(self) -> None:
         names = ("num_layers", "latent_dim", "rope_dim") if self.latent_dim else ("num_layers", "num_kv_heads", "head_dim")
@@ -56,6 +62,9 @@ class KVLayout:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.latent_dim and (self.num_kv_heads or self.head_dim):
             raise ConfigError("a KV layout is either GQA (heads, head dim) or MLA (latent, rope dims), not both")
+        if self.indexer_layers < 0 or (self.indexer_layers > 0) != (self.indexer_dim > 0):
+            raise ConfigError(f"an indexer cache needs both its layers and its key dim, got {self.indexer_layers!r} "
+                              f"and {self.indexer_dim!r}")
         dtype_bytes(self.dtype)
 
     @property
@@ -78,14 +87,16 @@ def kv_layout(spec: ModelSpec, dtype: str, attention_tp: int = 1) -> KVLayout:
     most their number (each device holds at least one), the MLA latent replicated (it has no heads)."""
     attention = spec.attention
     if attention.kind == "mla":
-        return KVLayout(spec.num_layers, dtype, latent_dim=attention.kv_lora_rank, rope_dim=attention.qk_rope_head_dim)
+        return KVLayout(spec.num_layers, dtype, latent_dim=attention.kv_lora_rank, rope_dim=attention.qk_rope_head_dim,
+                        indexer_layers=attention.indexer_layers, indexer_dim=attention.indexer_head_dim)
     return KVLayout(spec.num_layers, dtype, num_kv_heads=ceil_div(attention.num_kv_heads, attention_tp),
                     head_dim=attention.head_dim)
 
 
 def kv_bytes_per_token(layout: KVLayout) -> int:
-    # layers  x  elements per layer  x  bytes per element
-    return layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype)
+    # layers  x  elements per layer  x  bytes per element, and the indexer's keys
+    return (layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype)
+            + cache_bytes_per_token(layout.indexer_layers, layout.indexer_dim, layout.dtype, scales_per_layer=1))
 
 
 def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, scales_per_layer: int = 0) -> int:

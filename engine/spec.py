@@ -131,6 +131,7 @@ class Attention:
     indexer_head_dim: int = 0
     # DSA, per layer: "full" runs its own indexer, "shared" reuses the previous full layer's selection
     indexer_types: tuple[str, ...] = ()
+    index_topk: int = 0             # DSA: the cached tokens each query attends to once the context is longer
 
     def __post_init__(self) -> None:
         _require(self.kind in ("gqa", "mla"), f"unknown attention kind {self.kind!r}")
@@ -143,6 +144,18 @@ class Attention:
             _require(self.kv_lora_rank > 0 and self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
                      f"MLA needs a positive kv_lora_rank and an even qk_rope_head_dim, got "
                      f"{self.kv_lora_rank!r} and {self.qk_rope_head_dim!r}")
+        if self.indexer_types:
+            _require(self.kind == "mla" and self.index_topk > 0 and self.indexer_heads > 0
+                     and self.qk_rope_head_dim < self.indexer_head_dim,
+                     f"a DSA indexer needs MLA, a positive index_topk and index_n_heads, and an index_head_dim above "
+                     f"qk_rope_head_dim; got index_topk {self.index_topk!r}, index_n_heads {self.indexer_heads!r}, "
+                     f"index_head_dim {self.indexer_head_dim!r}")
+
+    @property
+    def indexer_slots(self) -> tuple[int | None, ...]:
+        """Per layer, the row of the indexer-key cache its own indexer writes (None: a layer that shares)."""
+        full = [layer for layer, kind in enumerate(self.indexer_types) if kind == "full"]
+        return tuple(full.index(layer) if layer in full else None for layer in range(len(self.indexer_types)))
 
     @property
     def rotary_dim(self) -> int:
@@ -466,7 +479,8 @@ def _attention(config: dict[str, Any], family: str, num_layers: int) -> Attentio
                          q_lora_rank=int(config.get("q_lora_rank") or 0), kv_lora_rank=int(config["kv_lora_rank"]),
                          qk_nope_head_dim=nope, qk_rope_head_dim=rope, indexer_layers=types.count("full"),
                          indexer_heads=int(config.get("index_n_heads") or 0),
-                         indexer_head_dim=int(config.get("index_head_dim") or 0), indexer_types=types)
+                         indexer_head_dim=int(config.get("index_head_dim") or 0), indexer_types=types,
+                         index_topk=int(config.get("index_topk") or 0) if types else 0)
     head_dim = int(config.get("head_dim") or hidden // heads)
     return Attention("gqa", heads, int(config.get("num_key_value_heads") or heads), head_dim, head_dim,
                      qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
@@ -492,6 +506,12 @@ def _indexer_types(config: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     _require(not types or types[0] == "full", "the first layer's indexer type must be 'full' (a 'shared' layer "
                                               "reuses the previous full layer's selection)")
     return types
+
+
+def _rope(config: dict[str, Any], family: str) -> RopeConfig:
+    rope = RopeConfig.from_hf(config, interleaved_by_default=family == "deepseek_v3")
+    # transformers' glm_moe_dsa rotates interleaved pairs (attention and indexer) whatever rope_interleave says
+    return replace(rope, interleaved=True) if family == "glm_moe_dsa" else rope
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -522,7 +542,7 @@ def spec_from_config(config: dict[str, Any], name: str) -> ModelSpec:
             tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
             attention=_attention(text, family, num_layers), ffn=_feed_forward(text, family, num_layers),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            rope=RopeConfig.from_hf(text, interleaved_by_default=family == "deepseek_v3"),
+            rope=_rope(text, family),
             bos_token_id=_first(text, "bos_token_id", default=config.get("bos_token_id")),
             eos_token_ids=_token_ids(eos), mtp_layers=int(text.get("num_nextn_predict_layers") or 0), config=config)
     except KeyError as missing:

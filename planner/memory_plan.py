@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.memory import (GIB, WeightFormat, cache_bytes_per_token, ceil_div, component_weight_bytes,
+from engine.memory import (GIB, WeightFormat, ceil_div, component_weight_bytes,
                            kv_bytes_per_token, kv_layout, weight_bytes)
 from engine.memory import weight_scheme as engine_weight_scheme
 from engine.spec import Linear, ModelSpec
@@ -108,12 +108,7 @@ def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parall
     """What one cached token costs each GPU that holds it."""
     if kv_dtype not in KV_DTYPES:
         raise PlannerError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
-    attention = model.attention
-    per_token = kv_bytes_per_token(kv_layout(model, kv_dtype, parallel.attention_tp))
-    if attention.indexer_layers:
-        per_token += cache_bytes_per_token(attention.indexer_layers, attention.indexer_head_dim, kv_dtype,
-                                           scales_per_layer=1)
-    return per_token
+    return kv_bytes_per_token(kv_layout(model, kv_dtype, parallel.attention_tp))
 
 
 def kv_bytes_per_token_total(model: ModelSpec, kv_dtype: str) -> int:

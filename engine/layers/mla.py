@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, PrefillChunk, Selection, selection_mask
 from engine.kernel_backend import use_triton
 from engine.kv_cache import PagedKVCache
 from engine.layers.linear import Linear
@@ -55,15 +55,20 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(self.nope_dim + self.rope_dim, config.rope)
         self.rotate = rotate_interleaved if config.rope.interleaved else apply_rotary
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compressed_queries:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalized query latent (DSA's indexer reads it too); x itself when queries are not compressed."""
+        return self.q_a_layernorm(self.q_a_proj(x)) if self.compressed_queries else x
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(x, self.query_latent(x), rotary, kv_cache, meta, None)
+
+    def attend(self, x: torch.Tensor, q_latent: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+               kv_cache: PagedKVCache, meta: AttentionMetadata, selection: Selection | None) -> torch.Tensor:
+        """Writes the new tokens' cache rows and attends: over every cached token, or over the selected ones."""
         tokens = x.shape[0]
-        q_nope, q_rope = self.queries(x).view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        queries = self.q_b_proj(q_latent) if self.compressed_queries else self.q_proj(q_latent)
+        q_nope, q_rope = queries.view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = self.rotate(q_rope, *rotary)
         k_rope = self.rotate(k_rope[:, None], *rotary)[:, 0]
@@ -71,10 +76,13 @@ class MLAttention(nn.Module):
         out = x.new_empty(tokens, self.num_heads, self.v_dim)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self.absorbed_decode(q_nope[:n], q_rope[:n], kv_cache, meta)
-        for chunk in meta.prefills:
+            positions = None if selection is None else selection.decodes
+            out[:n] = self.absorbed_decode(q_nope[:n], q_rope[:n], kv_cache, meta, positions)
+        for index, chunk in enumerate(meta.prefills):
             rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
-            out[rows] = self.expanded_prefill(q_nope[rows], q_rope[rows], kv_cache, chunk)
+            positions = None if selection is None else selection.prefills[index]
+            mask = chunk.causal_mask if positions is None else selection_mask(positions, chunk.context_len)
+            out[rows] = self.expanded_prefill(q_nope[rows], q_rope[rows], kv_cache, chunk, mask)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 
     def _up_projections(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,26 +91,43 @@ class MLAttention(nn.Module):
         return weight[:, :self.nope_dim], weight[:, self.nope_dim:]
 
     def absorbed_decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: PagedKVCache,
-                        meta: AttentionMetadata) -> torch.Tensor:
-        """[n, heads, nope] and [n, heads, rope] → [n, heads, v], attending in the latent space."""
+                        meta: AttentionMetadata, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, heads, nope] and [n, heads, rope] → [n, heads, v], attending in the latent space: over each
+        sequence's whole context, or over its selected `positions` ([n, k], -1 pads) only."""
         w_uk, w_uv = self._up_projections(q_nope.dtype)
         query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope], dim=-1)
+        fp8_scales = kv_cache.scales[0][self.layer] if kv_cache.is_fp8 else None
         if use_triton(query) and kv_cache.page_size >= MIN_DOT:
-            from kernels.mla_decode import paged_mla_decode
+            if positions is None:
+                from kernels.mla_decode import paged_mla_decode
 
-            attended = paged_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
-                                        meta.decode_context_lens, self.scale, self.kv_lora_rank,
-                                        kv_cache.scales[0][self.layer] if kv_cache.is_fp8 else None)
+                attended = paged_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
+                                            meta.decode_context_lens, self.scale, self.kv_lora_rank, fp8_scales)
+            else:
+                from kernels.sparse_mla_decode import sparse_mla_decode
+
+                attended = sparse_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
+                                             positions, self.scale, self.kv_lora_rank, fp8_scales)
         else:       # every head reads the same rows: batched matmuls, not an attention that copies them per head
-            rows = kv_cache.gather_latent(self.layer, meta.decode_block_tables, q_nope.dtype).flatten(1, 2)
+            if positions is None:
+                rows = kv_cache.gather_latent(self.layer, meta.decode_block_tables, q_nope.dtype).flatten(1, 2)
+                attends = meta.decode_mask[:, 0]                                           # [n, 1, L]
+            else:
+                page_size = kv_cache.page_size
+                chosen = positions.clamp(min=0)
+                slots = meta.decode_block_tables.gather(1, chosen // page_size) * page_size + chosen % page_size
+                rows = kv_cache.gather_latent_rows(self.layer, slots, q_nope.dtype)         # [n, k, width]
+                attends = (positions >= 0)[:, None]
             scores = torch.bmm(query, rows.transpose(1, 2)) * self.scale                       # [n, heads, L]
-            scores = scores.masked_fill(~meta.decode_mask[:, 0], float("-inf"))
+            scores = scores.masked_fill(~attends, float("-inf"))
             attended = torch.bmm(scores.softmax(dim=-1), rows[..., :self.kv_lora_rank])
         return torch.einsum("nhr,hvr->nhv", attended, w_uv)
 
     def expanded_prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: PagedKVCache,
-                         chunk: PrefillChunk) -> torch.Tensor:
-        """One prefill chunk: per-head keys and values up-projected from the latents of its whole context."""
+                         chunk: PrefillChunk, mask: torch.Tensor | None) -> torch.Tensor:
+        """One prefill chunk: per-head keys and values up-projected from the latents of its whole context;
+        `mask` [tokens, context] says what each row attends (None: causally everything, the chunk being the
+        whole context)."""
         rows = kv_cache.gather_latent(self.layer, chunk.block_table, q_nope.dtype).flatten(0, 1)[:chunk.context_len]
         latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_nope, values = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim).split(
@@ -111,5 +136,5 @@ class MLAttention(nn.Module):
         query = torch.cat([q_nope, q_rope], dim=-1)
         attended = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=chunk.causal_mask, is_causal=chunk.causal_mask is None, scale=self.scale)
+            attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return attended[0].transpose(0, 1)

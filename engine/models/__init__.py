@@ -6,7 +6,7 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.spec import ModelSpec
 
-ENGINE_FAMILIES = ("llama", "deepseek_v3")
+ENGINE_FAMILIES = ("llama", "deepseek_v3", "glm_moe_dsa")
 
 
 def model_class(spec: ModelSpec) -> type[nn.Module]:
@@ -18,5 +18,9 @@ def model_class(spec: ModelSpec) -> type[nn.Module]:
         from engine.models.deepseek_v3 import DeepseekV3Model
 
         return DeepseekV3Model
+    if spec.family == "glm_moe_dsa":
+        from engine.models.glm_moe_dsa import GlmMoeDsaModel
+
+        return GlmMoeDsaModel
     raise ConfigError(f"the engine does not run the {spec.family!r} architecture of {spec.name!r} "
                       f"(it runs {', '.join(ENGINE_FAMILIES)}; the planner plans the others)")

@@ -60,10 +60,13 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of new tokens [T] → final hidden states [T, hidden]; the cache rows go to the pool."""
         x = self.embed(input_ids)
-        rotary = self.rotary(positions, x.dtype)
+        return self.norm(self.run_layers(x, self.rotary(positions, x.dtype), kv_cache, meta))
+
+    def run_layers(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], kv_cache: PagedKVCache,
+                   meta: AttentionMetadata) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, rotary, kv_cache, meta)
-        return self.norm(x)
+        return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
