@@ -8,6 +8,8 @@ Layouts shared with the kernels:
 - FP8 weights: values [N, K] e4m3, scales [N] float32, w[n, k] = value * scale.
 - MLA latent pages: [num_pages, page_size, latent_dim + rope_dim], one row per token shared by all heads;
   FP8 pages carry two scales per layer (latent, rope key).
+- DSA indexer key pages: [num_pages, page_size, dim], one key per token; FP8 pages carry one scale per token
+  ([num_pages, page_size] float32). Selected positions: [batch, k] int, -1 pads.
 """
 from __future__ import annotations
 
@@ -102,3 +104,44 @@ def ownership_check(entries: torch.Tensor, owners: torch.Tensor, epochs: torch.T
     in_range = (pages >= 0) & (pages < owners.shape[0])
     safe = torch.where(in_range, pages, 0)
     return ~in_range | (owners[safe] != expected_owners) | (epochs[safe] != expected_epochs)
+
+
+def paged_indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, key_pages: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """DSA's lightning indexer for one query row per sequence: Σ_h w_h relu(q_h · k_t · scale) for every cached
+    token t. q: [batch, heads, dim]; head_weights: [batch, heads]; key_pages: [num_pages, page_size, dim], one
+    key per token; FP8 pages carry one scale per token (key_scales: [num_pages, page_size] float32).
+    → [batch, max_pages * page_size] float32, -inf past each context."""
+    batch, page_size = q.shape[0], key_pages.shape[1]
+    out = torch.full((batch, block_tables.shape[1] * page_size), float("-inf"), device=q.device)
+    for b in range(batch):
+        length = int(context_lens[b])
+        pages = block_tables[b, :(length + page_size - 1) // page_size].long()
+        keys = key_pages[pages].float()
+        if key_scales is not None:
+            keys = keys * key_scales[pages].float()[..., None]
+        keys = keys.flatten(0, 1)[:length]                                                       # [L, dim]
+        scores = (q[b].float() @ keys.t() * scale).relu()                                         # [heads, L]
+        out[b, :length] = head_weights[b].float() @ scores
+    return out
+
+
+def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
+                      positions: torch.Tensor, scale: float, latent_dim: int,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's absorbed decode over selected tokens only (DSA): as `paged_mla_decode`, but each sequence attends to
+    the positions in its row of `positions` ([batch, k], -1 pads; at least one selected per row), not to its
+    whole context. → [batch, heads, latent_dim] in q's dtype."""
+    batch, _, width = q.shape
+    page_size = latent_pages.shape[1]
+    row_scale = torch.ones(width) if scales is None else torch.cat(
+        [scales[0].float().cpu().expand(latent_dim), scales[1].float().cpu().expand(width - latent_dim)])
+    out = torch.empty(batch, q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+    for b in range(batch):
+        chosen = positions[b][positions[b] >= 0].long()
+        pages = block_tables[b].long()[chosen // page_size]
+        rows = latent_pages[pages, chosen % page_size].float() * row_scale.to(q.device)          # [k, width]
+        scores = q[b].float() @ rows.t() * scale
+        out[b] = (scores.softmax(dim=-1) @ rows[:, :latent_dim]).to(q.dtype)
+    return out

@@ -70,6 +70,39 @@ def mla_case(batch: int, num_heads: int, latent_dim: int, rope_dim: int, page_si
                 scales=scales)
 
 
+def indexer_case(batch: int, num_heads: int, dim: int, page_size: int, page_dtype: torch.dtype, q_dtype: torch.dtype,
+                 device: str, seed: int):
+    """DSA indexer keys, one per token over scattered pages; FP8 ones with a scale per token (their ranges
+    differ by 10x from token to token); signed head weights."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths, tables, num_pages = ragged_tables(batch, page_size, generator)
+    keys = torch.randn(num_pages, page_size, dim, generator=generator)
+    keys *= torch.rand(num_pages, page_size, 1, generator=generator) * 10 + 0.1
+    key_scales = None
+    if page_dtype == torch.float8_e4m3fn:
+        key_scales = keys.abs().amax(dim=-1) / reference.FP8_MAX
+        keys = keys / key_scales[..., None]
+        key_scales = key_scales.to(device)
+    q = (torch.randn(batch, num_heads, dim, generator=generator) * 0.3).to(q_dtype)
+    return dict(q=q.to(device), head_weights=torch.randn(batch, num_heads, generator=generator).to(device),
+                key_pages=keys.to(page_dtype).to(device), block_tables=tables.to(device),
+                context_lens=lengths.to(device), scale=dim ** -0.5, key_scales=key_scales)
+
+
+def sparse_mla_case(batch: int, num_heads: int, latent_dim: int, rope_dim: int, page_size: int, topk: int,
+                    page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int):
+    """`mla_case` with a selection per sequence: min(topk, length) distinct positions in random order, the rest
+    of the row -1 (a short sequence selects all it has)."""
+    case = mla_case(batch, num_heads, latent_dim, rope_dim, page_size, page_dtype, q_dtype, "cpu", seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    positions = torch.full((batch, topk), -1, dtype=torch.int64)
+    for b, length in enumerate(case.pop("context_lens").tolist()):
+        chosen = torch.randperm(length, generator=generator)[:topk]
+        positions[b, :len(chosen)] = chosen
+    case["positions"] = positions
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in case.items()}
+
+
 def int4_case(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, device: str, seed: int):
     generator = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.int32).to(torch.uint8)

@@ -194,3 +194,30 @@ def test_engine_info_and_planner_plan_agree_to_the_byte_on_glm_cut_to_six_layers
     plan = planner_json("plan", "--model", str(cut), "--hardware", "h200", "--gpus", "1", "--kv", kv)
     per_token = {"bf16": 2 * (6 * 576 + 3 * 128), "fp8": 6 * 576 + 3 * (128 + 4)}[kv]
     assert info["kv_bytes_per_token"] == plan["kv_bytes_per_token_per_gpu"] == per_token
+
+
+def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeypatch):
+    """The engine's GPU path, run on CPU in the Triton interpreter: decodes score the paged indexer keys and
+    attend over the selected latent rows with the two kernels."""
+    pytest.importorskip("triton")
+    from engine.kernel_backend import ENV_VARIABLE
+    from kernels import indexer_scores, sparse_mla_decode
+
+    folder, _, prompts, expected = glm
+    llm = engine(folder, page_size=16, num_pages=64)
+    calls = {"scores": 0, "decode": 0}
+
+    def counted(module, name, key):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(indexer_scores, "paged_indexer_scores", "scores")
+    counted(sparse_mla_decode, "sparse_mla_decode", "decode")
+    monkeypatch.setenv(ENV_VARIABLE, "triton")
+    assert greedy(llm, prompts[:3]) == expected[:3]
+    full_layers, layers = INDEXER_TYPES.count("full"), len(INDEXER_TYPES)
+    assert calls["scores"] >= (MAX_TOKENS - 1) * full_layers and calls["decode"] >= (MAX_TOKENS - 1) * layers

@@ -7,14 +7,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import fp8_case, int4_case, mla_case, ownership_case, paged_case, relative_error  # noqa: E402
+from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case,  # noqa: E402
+                          relative_error, sparse_mla_case)
 from kernels import reference  # noqa: E402
 from kernels.fp8_matmul import w8a16_matmul  # noqa: E402
+from kernels.indexer_scores import paged_indexer_scores  # noqa: E402
 from kernels.int4_matmul import w4a16_matmul  # noqa: E402
 from kernels.kv_write import kv_write  # noqa: E402
 from kernels.mla_decode import paged_mla_decode  # noqa: E402
 from kernels.ownership_check import ownership_check  # noqa: E402
 from kernels.paged_attention import paged_decode_attention  # noqa: E402
+from kernels.sparse_mla_decode import sparse_mla_decode  # noqa: E402
 
 DEVICE = "cpu"
 FP8 = torch.float8_e4m3fn
@@ -52,6 +55,52 @@ def test_paged_mla_decode_refuses_bad_calls():
         paged_mla_decode(**{**case, "scales": torch.ones(2)})
     with pytest.raises(ValueError, match="differ"):
         paged_mla_decode(**{**case, "q": case["q"][..., :36]})
+
+
+@pytest.mark.parametrize("heads, dim", [(8, 32), (20, 48), (3, 16)])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                 (FP8, torch.float32)])
+def test_paged_indexer_scores(heads, dim, page_dtype, q_dtype):
+    """Head counts below and above the block of 16, a key dim that is not a power of two, ragged contexts."""
+    case = indexer_case(4, heads, dim, 16, page_dtype, q_dtype, DEVICE, seed=heads + dim)
+    out = paged_indexer_scores(**case)
+    expected = reference.paged_indexer_scores(**case)
+    seen = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(out), seen) and not torch.isnan(out).any()
+    assert relative_error(out[seen], expected[seen]) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+def test_paged_indexer_scores_refuses_bad_calls():
+    case = indexer_case(2, 4, 32, 16, FP8, torch.float32, DEVICE, seed=0)
+    with pytest.raises(ValueError, match="per-token scales"):
+        paged_indexer_scores(**{**case, "key_scales": None})
+    with pytest.raises(ValueError, match="head_weights"):
+        paged_indexer_scores(**{**case, "head_weights": case["head_weights"][:, :3].contiguous()})
+    with pytest.raises(ValueError, match="page size"):
+        paged_indexer_scores(**{**case, "key_pages": case["key_pages"].reshape(-1, 8, 32),
+                                "key_scales": case["key_scales"].reshape(-1, 8)})
+
+
+@pytest.mark.parametrize("heads, latent_dim, rope_dim, topk", [(4, 32, 8, 24), (20, 64, 16, 40), (3, 48, 24, 16)])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                 (FP8, torch.float32)])
+def test_sparse_mla_decode(heads, latent_dim, rope_dim, topk, page_dtype, q_dtype):
+    """Selections shorter than a block of 16, across blocks, and padded where a context is shorter than top-k."""
+    case = sparse_mla_case(3, heads, latent_dim, rope_dim, 16, topk, page_dtype, q_dtype, DEVICE,
+                           seed=heads + latent_dim)
+    out = sparse_mla_decode(**case)
+    expected = reference.sparse_mla_decode(**case)
+    assert out.shape == (3, heads, latent_dim) and not torch.isnan(out).any()
+    assert relative_error(out, expected) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+def test_sparse_mla_decode_of_every_position_is_the_dense_decode():
+    case = mla_case(3, 4, 32, 8, 16, torch.float32, torch.float32, DEVICE, seed=2)
+    lengths = case.pop("context_lens")
+    width = int(lengths.max())
+    positions = torch.stack([torch.where(torch.arange(width) < n, torch.arange(width), -1) for n in lengths.tolist()])
+    dense = reference.paged_mla_decode(**case, context_lens=lengths)
+    assert relative_error(sparse_mla_decode(**case, positions=positions), dense) < 1e-5
 
 
 @pytest.mark.parametrize("page_dtype", [torch.float32, torch.float16, FP8])

@@ -4,14 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import fp8_case, int4_case, mla_case, ownership_case, paged_case, relative_error
+from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case, relative_error,
+                          sparse_mla_case)
 from kernels import reference
 from kernels.fp8_matmul import w8a16_matmul
+from kernels.indexer_scores import paged_indexer_scores
 from kernels.int4_matmul import w4a16_matmul
 from kernels.kv_write import kv_write
 from kernels.mla_decode import paged_mla_decode
 from kernels.ownership_check import ownership_check
 from kernels.paged_attention import paged_decode_attention
+from kernels.sparse_mla_decode import sparse_mla_decode
 
 DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn
@@ -38,6 +41,31 @@ def test_paged_mla_decode_cuda(heads, page_dtype, q_dtype):
     out = paged_mla_decode(**case)
     assert not torch.isnan(out).any()
     assert relative_error(out, reference.paged_mla_decode(**case)) < TOLERANCE[q_dtype]
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.bfloat16, torch.bfloat16), (FP8, torch.bfloat16),
+                                                 (torch.float32, torch.float32)])
+def test_paged_indexer_scores_cuda(page_size, page_dtype, q_dtype):
+    """GLM 5.2's indexer: 32 heads of 128 dims, FP8 keys with a scale per token."""
+    case = indexer_case(9, 32, 128, page_size, page_dtype, q_dtype, DEVICE, seed=page_size)
+    out = paged_indexer_scores(**case)
+    expected = reference.paged_indexer_scores(**case)
+    seen = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(out), seen) and not torch.isnan(out).any()
+    assert relative_error(out[seen], expected[seen]) < TOLERANCE[q_dtype]
+
+
+@pytest.mark.parametrize("heads, topk", [(64, 128), (16, 2048), (20, 100)])
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.bfloat16, torch.bfloat16), (FP8, torch.bfloat16),
+                                                 (torch.float32, torch.float32)])
+def test_sparse_mla_decode_cuda(heads, topk, page_dtype, q_dtype):
+    """GLM 5.2's widths: a 512 latent and a 64 rope key per token; selections shorter and longer than the
+    contexts of 64-token pages."""
+    case = sparse_mla_case(9, heads, 512, 64, 64, topk, page_dtype, q_dtype, DEVICE, seed=heads)
+    out = sparse_mla_decode(**case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.sparse_mla_decode(**case)) < TOLERANCE[q_dtype]
 
 
 @pytest.mark.parametrize("page_dtype", [torch.bfloat16, FP8])

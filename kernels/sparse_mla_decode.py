@@ -1,0 +1,109 @@
+"""Paged MLA decode over DSA-selected tokens in Triton: as `kernels.mla_decode`, every head of a block attends
+over the same latent rows, but the rows are the sequence's selected positions (at most `index_topk`, gathered
+through its block table) rather than its whole context, so the cost stops growing with the context.
+
+One program per (sequence, block of heads) walks the selection in blocks of 16 positions with an online
+softmax; -1 pads are masked. FP8 rows are dequantized on load with the layer's two scales (latent, rope key).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_tensor, next_power_of_2
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
+MIN_DOT = 16                # tl.dot needs every dimension >= 16
+BLOCK_HEADS = 16
+BLOCK_SELECTED = 16
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_ptr, scales_ptr, scale, num_selected,
+                              stride_qb, stride_qh, stride_page, stride_slot, stride_tb, stride_pb, stride_ob,
+                              stride_oh, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LATENT: tl.constexpr,
+                              BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    k = tl.arange(0, BLOCK_K)
+    h_ok = heads < NUM_HEADS
+    r_ok = r < LATENT
+    p_ok = p < ROPE
+    q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+    q_latent = tl.load(q_rows + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_rope = tl.load(q_rows + LATENT + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    if FP8:
+        latent_scale = tl.load(scales_ptr)
+        rope_scale = tl.load(scales_ptr + 1)
+    else:
+        latent_scale = 1.0
+        rope_scale = 1.0
+    running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    for start in range(0, num_selected, BLOCK_K):
+        position = tl.load(positions_ptr + seq * stride_pb + start + k, mask=start + k < num_selected, other=-1)
+        k_ok = position >= 0
+        position = tl.where(k_ok, position, 0)
+        page = tl.load(tables_ptr + seq * stride_tb + position // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+        rows = pages_ptr + page[:, None] * stride_page + (position % PAGE_SIZE)[:, None] * stride_slot
+        latent = tl.load(rows + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        rope = tl.load(rows + LATENT + p[None, :], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        latent = (latent.to(tl.float32) * latent_scale).to(q_latent.dtype)
+        rope = (rope.to(tl.float32) * rope_scale).to(q_rope.dtype)
+        scores = (tl.dot(q_latent, tl.trans(latent), input_precision=PRECISION)
+                  + tl.dot(q_rope, tl.trans(rope), input_precision=PRECISION))                     # [H, BLOCK_K]
+        scores = tl.where(k_ok[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)      # a block of pads only: nothing to add
+        correction = tl.exp(running_max - shift)
+        weights = tl.exp(scores - shift[:, None])
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & r_ok[None, :])
+
+
+def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
+                      positions: torch.Tensor, scale: float, latent_dim: int,
+                      scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.reference.sparse_mla_decode`; the page size a power of two of at least 16."""
+    device = q.device
+    check_tensor("q", q, 3, FLOAT_DTYPES, device)
+    check_tensor("latent_pages", latent_pages, 3, PAGE_DTYPES, device)
+    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), device)
+    check_tensor("positions", positions, 2, (torch.int32, torch.int64), device)
+    batch, num_heads, width = q.shape
+    _, page_size, row_width = latent_pages.shape
+    check(row_width == width, f"query width ({width}) and cache rows ({row_width}) differ")
+    check(0 < latent_dim < width, f"latent_dim must be in 1..{width - 1}, got {latent_dim}")
+    check(page_size >= MIN_DOT and page_size & (page_size - 1) == 0,
+          f"page size must be a power of two of at least {MIN_DOT}, got {page_size}")
+    check(block_tables.shape[0] == batch and positions.shape[0] == batch,
+          f"block_tables {tuple(block_tables.shape)} and positions {tuple(positions.shape)} must cover the batch "
+          f"of {batch}")
+    fp8 = latent_pages.dtype == torch.float8_e4m3fn
+    check(fp8 == (scales is not None), "FP8 pages need their two scales (latent, rope key); float pages take none")
+    if fp8:
+        check_tensor("scales", scales, 1, (torch.float32,), device)
+        check(scales.shape[0] == 2, f"scales needs 2 entries (latent, rope key), got {scales.shape[0]}")
+    rope_dim = width - latent_dim
+    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=device)
+    grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
+    _sparse_mla_decode_kernel[grid](
+        q, latent_pages, block_tables, positions, out, scales if fp8 else out, scale, positions.shape[1],
+        q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_tables.stride(0),
+        positions.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, BLOCK_H=BLOCK_HEADS, LATENT=latent_dim,
+        BLOCK_R=max(MIN_DOT, next_power_of_2(latent_dim)), ROPE=rope_dim,
+        BLOCK_P=max(MIN_DOT, next_power_of_2(rope_dim)), BLOCK_K=BLOCK_SELECTED, PAGE_SIZE=page_size, FP8=fp8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")      # fp32 queries keep full precision
+    return out
