@@ -95,8 +95,12 @@ def kv_layout(spec: ModelSpec, dtype: str, attention_tp: int = 1) -> KVLayout:
 
 def kv_bytes_per_token(layout: KVLayout) -> int:
     # layers  x  elements per layer  x  bytes per element, and the indexer's keys
-    return (layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype)
-            + cache_bytes_per_token(layout.indexer_layers, layout.indexer_dim, layout.dtype, scales_per_layer=1))
+    return layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype) + indexer_bytes_per_token(layout)
+
+
+def indexer_bytes_per_token(layout: KVLayout) -> int:
+    """A DSA model's indexer keys of one token (0 without an indexer): what its indexer scans per cached token."""
+    return cache_bytes_per_token(layout.indexer_layers, layout.indexer_dim, layout.dtype, scales_per_layer=1)
 
 
 def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, scales_per_layer: int = 0) -> int:

@@ -12,23 +12,46 @@ PROFILE_VERSION = 1
 REGIMES = ("prefill", "decode", "mixed")
 
 
-def batch_shape(output: SchedulerOutput) -> dict[str, int]:
-    """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`."""
+def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
+    """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`. With sparse attention
+    (`index_topk` > 0) also what its indexer scans and its attention reads (`selected_pairs`)."""
     decodes = decode_context = decode_max = prefills = prefill_tokens = pairs = prefill_context = 0
+    decode_selected = prefill_selected = indexed_pairs = indexed_context = 0
     for item in output.scheduled:       # one pass: the simulator calls this every step
         n, end = item.num_new_tokens, item.end
         if n == 1 and item.start > 0:
             decodes += 1
             decode_context += end
             decode_max = max(decode_max, end)
+            decode_selected += min(end, index_topk)
         else:
             prefills += 1
             prefill_tokens += n
             pairs += n * end - n * (n - 1) // 2
             prefill_context += end
-    return {"num_decodes": decodes, "decode_context_tokens": decode_context, "decode_max_context": decode_max,
-            "num_prefills": prefills,
-            "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
+            if index_topk:
+                prefill_selected += selected_pairs(n, end, index_topk)
+                if end > index_topk:
+                    indexed_pairs += n * end - n * (n - 1) // 2
+                    indexed_context += end
+    shape = {"num_decodes": decodes, "decode_context_tokens": decode_context, "decode_max_context": decode_max,
+             "num_prefills": prefills,
+             "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
+    if index_topk:
+        shape.update(decode_selected_tokens=decode_selected, prefill_selected_pairs=prefill_selected,
+                     prefill_indexed_pairs=indexed_pairs, prefill_indexed_context_tokens=indexed_context)
+    return shape
+
+
+def selected_pairs(num_tokens: int, context_end: int, index_topk: int) -> int:
+    """(row, attended token) pairs of a prefill chunk under sparse attention: the row at position p sees
+    min(p + 1, index_topk) tokens; rows are positions context_end - num_tokens .. context_end - 1."""
+    first, last = context_end - num_tokens + 1, context_end        # tokens each row sees, before the cap
+    if last <= index_topk:
+        return (first + last) * num_tokens // 2
+    if first > index_topk:
+        return index_topk * num_tokens
+    return (first + index_topk) * (index_topk - first + 1) // 2 + index_topk * (last - index_topk)
 
 
 def new_tokens(batch: dict[str, int]) -> int:

@@ -40,7 +40,8 @@ from engine.errors import ConfigError
 from engine.kernel_backend import use_triton
 from engine.layers.moe import GroupedExperts
 from engine.llm import LLM
-from engine.memory import dtype_bytes, kv_bytes_per_token, pages_for_tokens, tensor_parallel_traffic
+from engine.memory import (dtype_bytes, indexer_bytes_per_token, kv_bytes_per_token, pages_for_tokens,
+                           tensor_parallel_traffic)
 from engine.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
 from engine.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
 from engine.scheduler import SchedulerOutput
@@ -242,6 +243,9 @@ def _cost_fields(llm: LLM) -> dict[str, Any]:
     config = llm.model_config
     fields = {"family": config.family, "attention_kind": config.attention.kind,
               "linear_flops_per_token": config.linear_flops_per_token, **config.attention_flops()}
+    if config.attention.index_topk:      # this engine's prefill attends under a selection mask: densely
+        fields |= {"index_topk": config.attention.index_topk, "indexer_bytes_per_token": indexer_bytes_per_token(
+            llm.kv_layout), "indexer_flops_per_pair": config.indexer_flops_per_pair, "sparse_prefill": False}
     experts = routed_experts(llm.model)
     if experts:
         ffn, local = config.ffn, experts[0].num_experts         # under expert parallelism: this rank's share
@@ -324,7 +328,7 @@ class Profiler:
     def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
         """The sample of the timed steps; under tensor parallelism also the median time rank 0 spent in
         collectives in one of them, and the bytes it sent into them (the same in every repetition)."""
-        sample = self._sample(kind, batch_shape(output), times)
+        sample = self._sample(kind, batch_shape(output, self.llm.model_config.attention.index_topk), times)
         timed, self._step_collectives = self._step_collectives[-len(times):], []
         if self.llm.model.group.size > 1:
             sample["collective_s"] = round(statistics.median(seconds for seconds, _ in timed), 7)

@@ -407,6 +407,13 @@ class ModelSpec:
                 "prefill_attention_flops_per_pair": self.num_layers * self.attention.prefill_flops_per_pair(),
                 "prefill_context_flops_per_token": self.num_layers * self.attention.expansion_flops_per_token()}
 
+    @property
+    def indexer_flops_per_pair(self) -> float:
+        """DSA: per (query, cached token) pair the indexer scores, over its layers: each head's dot product,
+        its relu'd score weighted into the sum. Every rank of a tensor-parallel group runs the whole indexer."""
+        attention = self.attention
+        return 2.0 * attention.indexer_layers * attention.indexer_heads * (attention.indexer_head_dim + 1)
+
 
 def _first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:

@@ -100,6 +100,9 @@ def profile_costs(model: dict[str, Any]) -> ModelCosts:
         is not None else 0,
         decode_padding_page=model.get("decode_padding_page"),
         kernels_per_step=model.get("kernels_per_step", 0),
+        index_topk=model.get("index_topk", 0), indexer_bytes_per_token=model.get("indexer_bytes_per_token", 0),
+        indexer_flops_per_pair=model.get("indexer_flops_per_pair", 0.0),
+        sparse_prefill=model.get("sparse_prefill", True),
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.config import SchedulerConfig
-from engine.memory import dtype_bytes, tensor_parallel_traffic
+from engine.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.profile_format import engine_version
 from engine.spec import ModelSpec
 
@@ -25,7 +25,7 @@ from planner.hardware import HardwareSpec, get_hardware
 from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, MemoryPlan, Parallelism,
                                  plan_memory, weight_scheme)
 from planner.models import get_model
-from planner.simulator import Simulation, SimulationResult, model_step_time
+from planner.simulator import Simulation, SimulationResult, StepTime, model_step_time
 from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.workload import Workload
 
@@ -138,7 +138,9 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
         allreduce_bytes_per_token=traffic.allreduce_bytes_per_token,
         gather_bytes_per_sequence=traffic.gather_bytes_per_sequence,
         kernels_per_step=model.kernels_per_step(parallel.tp),
-        expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1)
+        expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1,
+        index_topk=model.attention.index_topk, indexer_bytes_per_token=indexer_bytes_per_token(kv_layout(model, plan.kv_dtype, attention_tp)),
+        indexer_flops_per_pair=model.indexer_flops_per_pair)
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class Capacity:
     step_parts: Callable[[BatchShape], dict[str, float]] = field(repr=False, compare=False)    # seconds by part
     notes: list[str] = field(default_factory=list)
     minimum_gpus: int | None = None     # where it does not fit: the fewest GPUs of this kind that serve one request
+    index_topk: int = 0                 # sparse attention: the tokens a query reads (0: dense); BatchShape.of needs it
 
     @property
     def fits(self) -> bool:
@@ -216,14 +219,29 @@ class Capacity:
         }
 
 
-def evaluate(deployment: Deployment) -> Capacity:
-    model = get_model(deployment.model)
+@dataclass(frozen=True)
+class Costing:
+    """What a deployment's step times follow from: its hardware (priced, with measured peaks where calibrated),
+    memory plan, peaks, step parameters (and where they came from) and per-GPU costs."""
+
+    hardware: HardwareSpec
+    plan: MemoryPlan
+    peaks: Peaks
+    params: StepParameters
+    source: str
+    costs: ModelCosts
+
+    def step(self, batch: BatchShape) -> float:
+        return step_time(self.costs, self.peaks, self.params, batch)
+
+    def single_stream_step(self, context: int) -> float:
+        return self.step(BatchShape.of([context], [], self.costs.index_topk))
+
+
+def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
     parallel = deployment.parallel
     weight_scheme(model, deployment.weights, deployment.group_size)
-    if deployment.context > model.max_position_embeddings:
-        raise PlannerError(f"a context of {deployment.context} tokens is above {model.name}'s limit of "
-                           f"{model.max_position_embeddings}")
     params, measured, source = step_parameters(deployment, hardware)
     if measured is not None:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
@@ -234,17 +252,29 @@ def evaluate(deployment: Deployment) -> Capacity:
     measured_link = measured.link_bytes_per_s if measured is not None else None
     link = None if parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
     peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
-    costs = model_costs(model, plan)
+    return Costing(hardware, plan, peaks, params, source, model_costs(model, plan))
+
+
+def evaluate(deployment: Deployment) -> Capacity:
+    model = get_model(deployment.model)
+    if deployment.context > model.max_position_embeddings:
+        raise PlannerError(f"a context of {deployment.context} tokens is above {model.name}'s limit of "
+                           f"{model.max_position_embeddings}")
+    costed = costing(deployment, model)
+    hardware, plan, peaks, params, source, costs = (costed.hardware, costed.plan, costed.peaks, costed.params,
+                                                    costed.source, costed.costs)
+    parallel = deployment.parallel
     per_replica = plan.max_concurrency(deployment.context) // parallel.replicas
     batch = min(per_replica, deployment.max_num_seqs)
     notes = []
     if per_replica > deployment.max_num_seqs:
         notes.append(f"the KV pool holds {per_replica} requests per replica; max_num_seqs caps the batch at {batch}")
-    decode_step = step_time(costs, peaks, params, BatchShape.of([deployment.context] * batch, []))
-    single = step_time(costs, peaks, params, BatchShape.of([deployment.context], [])) if per_replica else 0.0
+    topk = costs.index_topk
+    decode_step = step_time(costs, peaks, params, BatchShape.of([deployment.context] * batch, [], topk))
+    single = step_time(costs, peaks, params, BatchShape.of([deployment.context], [], topk)) if per_replica else 0.0
     decode = parallel.replicas * batch / decode_step if batch else 0.0
     chunk = min(deployment.max_num_batched_tokens, plan.max_context_tokens)
-    prefill = (parallel.replicas * chunk / step_time(costs, peaks, params, BatchShape.of([], [(chunk, chunk)]))
+    prefill = (parallel.replicas * chunk / step_time(costs, peaks, params, BatchShape.of([], [(chunk, chunk)], topk))
                if chunk else 0.0)
     dollars_per_s = deployment.gpus * hardware.gpu_hour_usd / HOURS
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
@@ -252,7 +282,7 @@ def evaluate(deployment: Deployment) -> Capacity:
                     1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, source,
                     lambda shape: step_time(costs, peaks, params, shape),
                     lambda shape: step_parts(step_terms(costs, shape), peaks, params), notes,
-                    None if per_replica else minimum_gpus(deployment, model, hardware))
+                    None if per_replica else minimum_gpus(deployment, model, hardware), topk)
 
 
 def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> int | None:
@@ -273,6 +303,29 @@ def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpe
 def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
     """Several dtype configurations of one deployment, side by side; one that does not fit still gets a row."""
     return [evaluate(replace(deployment, weights=w, kv_dtype=kv)) for w in weights for kv in kv_dtypes]
+
+
+def sparse_attention_crossover(deployment: Deployment) -> int | None:
+    """The shortest context from which one stream decodes faster with the model's sparse attention (DSA) than
+    with dense MLA over every cached token (the same model without its indexer and its keys' cache); None for
+    a model without sparse attention, or where dense attention stays as fast up to the position limit."""
+    model = get_model(deployment.model)
+    attention = model.attention
+    if not attention.index_topk:
+        return None
+    dense = replace(model, attention=replace(attention, indexer_layers=0, indexer_heads=0, indexer_head_dim=0,
+                                             indexer_types=(), index_topk=0))
+    sparse_step, dense_step = costing(deployment, model).single_stream_step, costing(deployment, dense).single_stream_step
+    low, high = 1, model.max_position_embeddings
+    if dense_step(high) <= sparse_step(high):
+        return None
+    while low < high:           # dense minus sparse grows with the context: the first context where it is > 0
+        middle = (low + high) // 2
+        if dense_step(middle) > sparse_step(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def kv_dtype_comparison(deployment: Deployment) -> dict:
@@ -305,7 +358,7 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return round(numerator / denominator, 4) if denominator else None
 
 
-def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, Callable[[BatchShape], float], int]:
+def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, StepTime, int]:
     """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas."""
     result = evaluate(deployment)
     plan = result.plan
@@ -316,14 +369,14 @@ def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, Callable[
                              max_num_seqs=deployment.max_num_seqs,
                              max_num_batched_tokens=deployment.max_num_batched_tokens,
                              max_model_len=plan.max_position_embeddings)
-    return config, result.step_seconds, plan.parallel.replicas
+    return config, model_step_time(result.step_seconds, result.index_topk), plan.parallel.replicas
 
 
 def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
              record_steps: bool = False) -> SimulationResult:
     """The workload through the deployment's replicas, each running the engine's scheduler."""
-    config, seconds, replicas = simulation_setup(deployment)
-    return Simulation(config, model_step_time(seconds), replicas, router, record_steps, progress).run(workload)
+    config, step, replicas = simulation_setup(deployment)
+    return Simulation(config, step, replicas, router, record_steps, progress).run(workload)
 
 
 def meets_slo(report: dict, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None) -> bool:

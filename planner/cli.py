@@ -162,12 +162,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from planner.capacity import compare
+    from planner.capacity import compare, sparse_attention_crossover
 
-    rows = compare(_deployment(args, args.weights[0], args.kv[0]), args.weights, args.kv)
+    deployment = _deployment(args, args.weights[0], args.kv[0])
+    rows = compare(deployment, args.weights, args.kv)
     table = [{"weights": row.deployment.weights, "kv": row.deployment.kv_dtype, **row.summary()} for row in rows]
+    crossovers = {f"{row.deployment.weights}/{row.deployment.kv_dtype}": sparse_attention_crossover(row.deployment)
+                  for row in rows if row.index_topk}
     if args.json:
-        print(json.dumps({"rows": table}))
+        print(json.dumps({"rows": table} | ({"sparse_attention_crossover_context": crossovers} if crossovers else {})))
         return
     header = (f"{'weights':8s} {'kv':5s} {'weights/GPU':>12s} {'KV tokens':>11s} {'max ctx':>9s} {'conc':>6s} "
               f"{'decode tok/s':>13s} {'1-stream':>9s} {'prefill tok/s':>14s} {'$/Mtok':>8s}")
@@ -178,6 +181,11 @@ def cmd_compare(args: argparse.Namespace) -> None:
                      f"{row['kv_capacity_tokens']:11d} {row['max_context_tokens']:9d} {row['max_concurrency']:6d} "
                      f"{row['decode_tokens_per_s']:13.1f} {row['single_stream_decode_tokens_per_s']:9.1f} "
                      f"{row['prefill_tokens_per_s']:14.1f} {cost:>8s}")
+    for dtypes, context in crossovers.items():
+        topk = rows[0].index_topk
+        lines.append(f"sparse attention (top {topk} tokens), {dtypes}: one stream decodes faster than with dense MLA "
+                     f"from {context} tokens of context" if context else
+                     f"sparse attention (top {topk} tokens), {dtypes}: never faster than dense MLA up to the position limit")
     print("\n".join(lines))
 
 

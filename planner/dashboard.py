@@ -13,7 +13,7 @@ from planner.capacity import (Deployment, evaluate, kv_dtype_comparison, simulat
                               weight_dtype_comparison)
 from planner.errors import PlannerError
 from planner.models import spec_from_config
-from planner.simulator import Simulation, model_step_time
+from planner.simulator import Simulation
 from planner.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,11 +68,11 @@ def simulate_view(deployment: Deployment, workload: Workload, slo_ttft_s: float 
                   slo_tpot_s: float | None, curve_users: list[int]) -> dict[str, Any]:
     result = simulate(deployment, workload, record_steps=True)
     report = result.report(slo_ttft_s, slo_tpot_s)
-    config, seconds, replicas = simulation_setup(deployment)
+    config, step, replicas = simulation_setup(deployment)
     curve = []
     for users in curve_users:
         closed = replace(workload, arrival="closed", users=users, num_requests=max(2 * users, 40))
-        point = Simulation(config, model_step_time(seconds), replicas, record_steps=False).run(closed).report()
+        point = Simulation(config, step, replicas, record_steps=False).run(closed).report()
         curve.append({"users": users, "output_tokens_per_s": point["output_tokens_per_s"],
                       "tpot_p99_s": point["tpot_p99_s"]})
     return {"report": report, "latency": plots.latency_percentiles(report),

@@ -35,10 +35,11 @@ ROUTERS = ("round-robin", "least-loaded")
 StepTime = Callable[[SchedulerOutput], float]
 
 
-def model_step_time(step_seconds: Callable[[BatchShape], float]) -> StepTime:
-    """A step-time function of the scheduler's batch, from one of a `BatchShape`."""
+def model_step_time(step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> StepTime:
+    """A step-time function of the scheduler's batch, from one of a `BatchShape` (of a model whose sparse
+    attention reads `index_topk` tokens per query; 0: dense)."""
     def seconds(output: SchedulerOutput) -> float:
-        return step_seconds(BatchShape(**batch_shape(output)))
+        return step_seconds(BatchShape(**batch_shape(output, index_topk)))
     return seconds
 
 

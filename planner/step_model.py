@@ -44,6 +44,14 @@ decodes can cost more than one of 16. Then
              + linear_scale × (decoder(new tokens) + head(sequences))
              + max(t_kv, t_attention) + (1 - overlap) × min(t_kv, t_attention)
 
+DeepSeek Sparse Attention (GLM 5.2) splits attention in two: an indexer scans every cached token (its keys,
+a few heads of FLOPs per pair) and the attention reads only the top `index_topk` of them. A decode then reads
+
+    kv bytes = latent bytes × min(context, index_topk) + indexer bytes × context     (no scan below index_topk)
+
+so above index_topk its cost grows with the context only at the indexer's rate; a prefill row at position p
+attends min(p + 1, index_topk) tokens with sparse kernels (this engine's prefill masks a dense attention).
+
 Each prefill chunk runs its own attention in every layer (its pages gathered, its mask, one kernel call):
 about 0.5 ms per chunk and layer on one CPU thread for SmolLM2, 15 ms a prompt, so a step that prefills
 twelve prompts that queued up costs more than one of a single prompt of the same tokens.
@@ -54,10 +62,10 @@ import bisect
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from engine.memory import ceil_div
-from engine.profile_format import expected_experts_touched
+from engine.profile_format import expected_experts_touched, selected_pairs
 from planner.communication import wire_bytes
 
 
@@ -93,6 +101,15 @@ class ModelCosts:
     kernels_per_step: float = 0.0       # kernels a step launches, every layer's (`kernel_launch_s` each)
     # Expert parallelism over this many GPUs: each layer waits for the GPU whose experts its tokens touch most
     expert_parallel_ranks: int = 1
+    # DeepSeek Sparse Attention: a query attends at most `index_topk` cached tokens, chosen by an indexer that
+    # scores every cached token (its keys are `indexer_bytes_per_token` of kv_bytes_per_token; its FLOPs per
+    # (query, cached token) pair). No scan while no context exceeds index_topk: every token is selected then.
+    # `sparse_prefill`: prefills attend only their selected pairs (sparse kernels); False: this engine's prefill,
+    # a dense attention under a selection mask.
+    index_topk: int = 0
+    indexer_bytes_per_token: float = 0.0
+    indexer_flops_per_pair: float = 0.0
+    sparse_prefill: bool = True
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -134,6 +151,11 @@ class BatchShape:
     prefill_tokens: int = 0
     prefill_pairs: int = 0              # sum over prefill chunks of (new token, visible token) pairs
     prefill_context_tokens: int = 0     # sum over prefill chunks of the context each one reads (itself included)
+    # sparse attention (`engine.profile_format.batch_shape` with index_topk); None: attention reads everything
+    decode_selected_tokens: int | None = None   # sum over decodes of min(context, index_topk)
+    prefill_selected_pairs: int | None = None   # (row, token) pairs attended under the top-k cap
+    prefill_indexed_pairs: int = 0              # pairs the indexer scores: chunks whose context exceeds index_topk
+    prefill_indexed_context_tokens: int = 0     # the indexer keys those chunks read
 
     @property
     def num_seqs(self) -> int:
@@ -149,11 +171,19 @@ class BatchShape:
         return num_tokens * context_end - num_tokens * (num_tokens - 1) // 2
 
     @classmethod
-    def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> BatchShape:
-        """From decode context lengths and (new tokens, context end) of each prefill chunk."""
-        return cls(len(decode_contexts), sum(decode_contexts), max(decode_contexts, default=0), len(prefill_chunks),
-                   sum(n for n, _ in prefill_chunks), sum(cls.chunk_pairs(n, end) for n, end in prefill_chunks),
-                   sum(end for _, end in prefill_chunks))
+    def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], index_topk: int = 0) -> BatchShape:
+        """From decode context lengths and (new tokens, context end) of each prefill chunk; with sparse
+        attention's `index_topk`, what its indexer scans and its attention reads too."""
+        shape = cls(len(decode_contexts), sum(decode_contexts), max(decode_contexts, default=0), len(prefill_chunks),
+                    sum(n for n, _ in prefill_chunks), sum(cls.chunk_pairs(n, end) for n, end in prefill_chunks),
+                    sum(end for _, end in prefill_chunks))
+        if not index_topk:
+            return shape
+        scanned = [(n, end) for n, end in prefill_chunks if end > index_topk]
+        return replace(shape, decode_selected_tokens=sum(min(c, index_topk) for c in decode_contexts),
+                       prefill_selected_pairs=sum(selected_pairs(n, end, index_topk) for n, end in prefill_chunks),
+                       prefill_indexed_pairs=sum(cls.chunk_pairs(n, end) for n, end in scanned),
+                       prefill_indexed_context_tokens=sum(end for _, end in scanned))
 
 
 @dataclass(frozen=True)
@@ -275,13 +305,33 @@ def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
     return max(batch.decode_context_tokens, padded)     # profiles without the longest context: no padding known
 
 
+def sparse_attention_reads(costs: ModelCosts, batch: BatchShape, decode_read: int) -> tuple[int, int, int]:
+    """Under sparse attention: the cached tokens the decodes attend, those the decodes' indexer scans, and the
+    prefills' attended pairs. Dense attention attends everything and scans nothing."""
+    topk = costs.index_topk
+    if not topk or batch.decode_selected_tokens is None:
+        return decode_read, 0, batch.prefill_pairs
+    scanning = batch.decode_max_context > topk
+    attended = batch.decode_selected_tokens
+    if scanning and costs.decode_padding_page:      # the padded gather: every decode selects index_topk rows
+        attended = batch.num_decodes * topk
+    elif costs.decode_padding_page:
+        attended = decode_read
+    pairs = batch.prefill_selected_pairs if costs.sparse_prefill else batch.prefill_pairs
+    return attended, decode_read if scanning else 0, pairs
+
+
 def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | None = None) -> StepTerms:
     decode_read = decode_tokens_read(costs, batch)
-    kv_read = costs.kv_bytes_per_token * (decode_read + batch.prefill_context_tokens)
+    attended, indexed, prefill_pairs = sparse_attention_reads(costs, batch, decode_read)
+    latent_bytes = costs.kv_bytes_per_token - costs.indexer_bytes_per_token
+    kv_read = (latent_bytes * (attended + batch.prefill_context_tokens)
+               + costs.indexer_bytes_per_token * (indexed + batch.prefill_indexed_context_tokens))
     kv_written = costs.kv_bytes_per_token * batch.new_tokens
     prefill_pair = (costs.attention_flops_per_pair if costs.prefill_attention_flops_per_pair is None
                     else costs.prefill_attention_flops_per_pair)
-    attention = costs.attention_flops_per_pair * decode_read + prefill_pair * batch.prefill_pairs
+    attention = (costs.attention_flops_per_pair * attended + prefill_pair * prefill_pairs
+                 + costs.indexer_flops_per_pair * (indexed + batch.prefill_indexed_pairs))
     expansion = costs.prefill_context_flops_per_token * (batch.prefill_context_tokens - batch.prefill_tokens)
     experts = costs.experts_touched(batch.new_tokens)
     calls, wire = collective_terms(costs, batch)

@@ -267,7 +267,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     def step_seconds(batch: BatchShape) -> float:
         return step_time(costs, peaks, params, batch, linears)
 
-    model = model_step_time(step_seconds)
+    model = model_step_time(step_seconds, costs.index_topk)
     simulated = Simulation(config, model, record_steps=True).run(list(specs))
     replay_step = replayed_step_time([s.duration_s for s in served.steps])
     modelled: list[tuple[str, float]] = []

@@ -221,3 +221,34 @@ def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeyp
     assert greedy(llm, prompts[:3]) == expected[:3]
     full_layers, layers = INDEXER_TYPES.count("full"), len(INDEXER_TYPES)
     assert calls["scores"] >= (MAX_TOKENS - 1) * full_layers and calls["decode"] >= (MAX_TOKENS - 1) * layers
+
+
+def test_selected_pairs_count_what_each_prefill_row_attends():
+    from engine.profile_format import selected_pairs
+
+    for tokens, end, topk in ((5, 5, 8), (5, 12, 8), (30, 30, 8), (4, 40, 8), (1, 9, 8), (1, 8, 8), (16, 17, 16)):
+        rows = range(end - tokens + 1, end + 1)                     # tokens each row sees before the cap
+        assert selected_pairs(tokens, end, topk) == sum(min(seen, topk) for seen in rows), (tokens, end, topk)
+
+
+def test_sparse_decode_cost_flattens_above_index_topk_and_the_crossover_is_printed():
+    """GLM 5.2 on 8 H200s: one stream's decode step grows with the context at the indexer's rate above
+    index_topk (its keys are 1/16 of the latents' bytes at BF16), at the latents' below; `planner compare`
+    prints the context from which sparse attention beats dense MLA: past index_topk, since the indexer's
+    weights and keys cost something, and well before 4x index_topk."""
+    from planner.capacity import Deployment, costing, sparse_attention_crossover
+    from planner.models import get_model
+    from test_deepseek import planner_json
+
+    deployment = Deployment(model="glm-5.2", hardware="h200", gpus=8, weights="fp8", kv_dtype="bf16")
+    step = costing(deployment, get_model("glm-5.2")).single_stream_step
+    below = (step(2048) - step(512)) / 1536
+    above = (step(65536) - step(4096)) / 61440
+    assert 0 < above < below / 8, (below, above)
+    crossover = sparse_attention_crossover(deployment)
+    assert 2048 < crossover < 4 * 2048
+    made = planner_json("compare", "--model", "glm-5.2", "--hardware", "h200", "--gpus", "8", "--weights", "fp8",
+                        "--kv", "bf16", "fp8")
+    assert made["sparse_attention_crossover_context"]["fp8/bf16"] == crossover
+    assert "sparse_attention_crossover_context" not in planner_json("compare", "--model", "llama-3.1-8b", "--hardware",
+                                                                    "h200", "--gpus", "1")
