@@ -22,6 +22,19 @@ GIB = 1 << 30
 KV_SCALE_DTYPE = "fp32"        # static FP8 KV scales: per layer, KV head and K/V (GQA); latent and rope key (MLA)
 FP8_WEIGHT_SCALE_DTYPE = "fp32"  # per output channel; fp16 would underflow for rows with small weights
 INT4_BITS = 4
+# NVFP4 (Blackwell): 4-bit E2M1 values, an E4M3 scale per block of 16 values, an fp32 scale per tensor
+NVFP4 = "nvfp4"
+NVFP4_BLOCK = 16
+NVFP4_TENSOR_SCALE_DTYPE = "fp32"
+CACHE_DTYPES = (*DTYPE_BYTES, NVFP4)       # what a KV cache may be stored in (the planner's; the engine runs fewer)
+
+
+def packed_bytes(elements: int, dtype: str) -> int:
+    """Bytes of `elements` values stored in `dtype`: whole bytes each, or NVFP4's half byte each plus its FP8
+    block scale per 16 (a partial block still has one)."""
+    if dtype == NVFP4:
+        return ceil_div(elements, 2) + ceil_div(elements, NVFP4_BLOCK) * dtype_bytes("fp8")
+    return elements * dtype_bytes(dtype)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -62,10 +75,11 @@ class KVLayout:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.latent_dim and (self.num_kv_heads or self.head_dim):
             raise ConfigError("a KV layout is either GQA (heads, head dim) or MLA (latent, rope dims), not both")
+        if self.dtype not in CACHE_DTYPES:
+            raise ConfigError(f"unknown KV dtype {self.dtype!r} (known: {', '.join(CACHE_DTYPES)})")
         if self.indexer_layers < 0 or (self.indexer_layers > 0) != (self.indexer_dim > 0):
             raise ConfigError(f"an indexer cache needs both its layers and its key dim, got {self.indexer_layers!r} "
                               f"and {self.indexer_dim!r}")
-        dtype_bytes(self.dtype)
 
     @property
     def kind(self) -> str:
@@ -94,8 +108,8 @@ def kv_layout(spec: ModelSpec, dtype: str, attention_tp: int = 1) -> KVLayout:
 
 
 def kv_bytes_per_token(layout: KVLayout) -> int:
-    # layers  x  elements per layer  x  bytes per element, and the indexer's keys
-    return layout.num_layers * layout.elements_per_layer * dtype_bytes(layout.dtype) + indexer_bytes_per_token(layout)
+    # layers  x  elements per layer in the cache's dtype, and the indexer's keys
+    return layout.num_layers * packed_bytes(layout.elements_per_layer, layout.dtype) + indexer_bytes_per_token(layout)
 
 
 def indexer_bytes_per_token(layout: KVLayout) -> int:
@@ -104,19 +118,20 @@ def indexer_bytes_per_token(layout: KVLayout) -> int:
 
 
 def cache_bytes_per_token(num_layers: int, elements_per_layer: int, dtype: str, scales_per_layer: int = 0) -> int:
-    """Any per-token cache: layers x (elements x element size + per-token fp32 scales, FP8 only).
+    """Any per-token cache: layers x (its elements in `dtype` + per-token fp32 scales, FP8 only).
 
     GQA caches 2 x KV heads x head dim elements per layer, MLA its latent plus the rope key, a sparse-attention
-    indexer its key (in FP8 with one scale per token, as serving engines store it).
+    indexer its key (in FP8 with one scale per token, as serving engines store it; NVFP4 carries its block
+    scales instead).
     """
     scales = scales_per_layer * dtype_bytes(KV_SCALE_DTYPE) if dtype == "fp8" else 0
-    return num_layers * (elements_per_layer * dtype_bytes(dtype) + scales)
+    return num_layers * (packed_bytes(elements_per_layer, dtype) + scales)
 
 
 def kv_scale_bytes(layout: KVLayout) -> int:
-    """FP8 pages share static scales (per layer: per KV head and K/V, or latent and rope key): a fixed cost,
-    not per token."""
-    if layout.dtype != "fp8":
+    """FP8 pages share static scales (per layer: per KV head and K/V, or latent and rope key), NVFP4 ones their
+    tensor scales, as many: a fixed cost, not per token."""
+    if layout.dtype not in ("fp8", NVFP4):
         return 0
     return layout.num_layers * layout.scales_per_layer * dtype_bytes(KV_SCALE_DTYPE)
 
@@ -163,7 +178,8 @@ class WeightFormat:
 
     fp8: e4m3 values with one fp32 scale per output channel, or per `block_size` x `block_size` block when
     `block_size` is set (DeepSeek's checkpoints). int4: two values per byte, one scale per group of
-    `group_size` inputs, plus one minimum per group when asymmetric (w = q * scale + minimum).
+    `group_size` inputs, plus one minimum per group when asymmetric (w = q * scale + minimum). nvfp4: two E2M1
+    values per byte, an E4M3 scale per 16 inputs and one fp32 scale for the matrix.
     """
 
     dtype: str
@@ -173,8 +189,8 @@ class WeightFormat:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in (*FLOAT_DTYPES, "fp8", "int4"):
-            raise ConfigError(f"unknown weight dtype {self.dtype!r} (choose from fp32, bf16, fp16, fp8, int4)")
+        if self.dtype not in (*FLOAT_DTYPES, "fp8", "int4", NVFP4):
+            raise ConfigError(f"unknown weight dtype {self.dtype!r} (choose from fp32, bf16, fp16, fp8, int4, nvfp4)")
         if self.group_size not in INT4_GROUP_SIZES:
             raise ConfigError(f"group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                               f"got {self.group_size!r}")
@@ -186,12 +202,16 @@ class WeightFormat:
     def check_shape(self, out_features: int, in_features: int) -> None:
         if self.dtype == "int4" and in_features % self.group_size:
             raise ConfigError(f"group size {self.group_size} does not divide the input dimension {in_features}")
+        if self.dtype == NVFP4 and in_features % NVFP4_BLOCK:
+            raise ConfigError(f"NVFP4's blocks of {NVFP4_BLOCK} do not divide the input dimension {in_features}")
 
     def linear_bytes(self, out_features: int, in_features: int) -> int:
         self.check_shape(out_features, in_features)
         numel = out_features * in_features
         if self.dtype in FLOAT_DTYPES:
             return numel * dtype_bytes(self.dtype)
+        if self.dtype == NVFP4:
+            return packed_bytes(numel, NVFP4) + dtype_bytes(NVFP4_TENSOR_SCALE_DTYPE)
         if self.dtype == "fp8":
             scales = out_features if self.block_size is None else (
                 ceil_div(out_features, self.block_size) * ceil_div(in_features, self.block_size))
@@ -229,13 +249,15 @@ def weight_scheme(spec: ModelSpec, weights: str, group_size: int = 128, symmetri
                   scale_dtype: str = "bf16") -> dict[str, WeightFormat]:
     """The format of each decoder component's linears under a weights choice ({}: all float). `native` is
     what the checkpoint ships; `fp8` is per output channel, or per 128 x 128 block for the families that ship
-    it so; `int4` is group-wise."""
+    it so; `int4` is group-wise; `nvfp4` in blocks of 16."""
     if weights == "native":
         return native_scheme(spec.config)
     if weights == "fp8":
         fmt = WeightFormat("fp8", block_size=FP8_BLOCK if spec.family in BLOCK_FP8_FAMILIES else None)
     elif weights == "int4":
         fmt = WeightFormat("int4", group_size, symmetric, scale_dtype)
+    elif weights == NVFP4:
+        fmt = WeightFormat(NVFP4)
     else:
         return {}
     return dict.fromkeys(DECODER_COMPONENTS, fmt)

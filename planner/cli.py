@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="memory, capacity, throughput and cost of one deployment")
     _deployment_options(plan)
-    plan.add_argument("--weights", default="native", help="bf16|fp8|int4|native")
-    plan.add_argument("--kv", default="fp8", help="bf16|fp8")
+    plan.add_argument("--weights", default="native", help="bf16|fp8|int4|nvfp4 (Blackwell)|native")
+    plan.add_argument("--kv", default="fp8", help="bf16|fp8|nvfp4 (Blackwell)")
 
     compare = commands.add_parser("compare", help="several weight/KV dtype configurations side by side")
     _deployment_options(compare)
@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     simulate = commands.add_parser("simulate", help="discrete-event simulation of a workload on the deployment")
     _deployment_options(simulate)
-    simulate.add_argument("--weights", default="native", help="bf16|fp8|int4|native")
-    simulate.add_argument("--kv", default="fp8", help="bf16|fp8")
+    simulate.add_argument("--weights", default="native", help="bf16|fp8|int4|nvfp4 (Blackwell)|native")
+    simulate.add_argument("--kv", default="fp8", help="bf16|fp8|nvfp4 (Blackwell)")
     _workload_options(simulate, requests=1000, prompt="1024", output="256")
     simulate.add_argument("--users", type=int, default=None, help="closed loop: concurrent users")
     simulate.add_argument("--think-time", type=float, default=0.0, help="closed loop: seconds between requests")

@@ -24,6 +24,7 @@ class HardwareSpec:
     bandwidth_bytes_per_s: float    # peak memory (HBM) bandwidth
     bf16_flops_per_s: float         # dense tensor-core peak
     fp8_flops_per_s: float | None   # None where the device has no FP8 tensor cores
+    fp4_flops_per_s: float | None   # None where it has no FP4 tensor cores: NVFP4 is Blackwell's
     link_bytes_per_s: float         # what one GPU sends per second to the others (one direction)
     gpu_hour_usd: float
     calibrated: bool = False        # True for `cpu`: only meaningful with a calibration's measured peaks
@@ -47,11 +48,17 @@ class HardwareSpec:
         """Host seconds per kernel a step launches: none inside a CUDA graph (one launch for the whole step)."""
         return 0.0 if cuda_graphs else self.kernel_launch_s
 
+    @property
+    def supports_nvfp4(self) -> bool:
+        return self.fp4_flops_per_s is not None
+
     def peak_flops(self, weights: str) -> float:
         """The matmul peak for a weight dtype: FP8 weights run FP8 tensor cores (W8A8) where there are
-        any; BF16, INT4 (dequantized to BF16 in the kernel) and the rest run BF16."""
+        any, NVFP4 the FP4 ones; BF16, INT4 (dequantized to BF16 in the kernel) and the rest run BF16."""
         if weights == "fp8" and self.fp8_flops_per_s:
             return self.fp8_flops_per_s
+        if weights == "nvfp4" and self.fp4_flops_per_s:
+            return self.fp4_flops_per_s
         return self.bf16_flops_per_s
 
     def with_price(self, gpu_hour_usd: float | None) -> HardwareSpec:
@@ -60,7 +67,7 @@ class HardwareSpec:
     def with_measured_peaks(self, bandwidth_bytes_per_s: float, flops_per_s: float,
                             memory_bytes: int | None = None) -> HardwareSpec:
         return replace(self, bandwidth_bytes_per_s=bandwidth_bytes_per_s, bf16_flops_per_s=flops_per_s,
-                       fp8_flops_per_s=None, memory_bytes=memory_bytes or self.memory_bytes)
+                       fp8_flops_per_s=None, fp4_flops_per_s=None, memory_bytes=memory_bytes or self.memory_bytes)
 
 
 @lru_cache(maxsize=1)
@@ -70,11 +77,11 @@ def catalogue() -> dict[str, HardwareSpec]:
     for key, entry in entries.items():
         if key.startswith("_"):
             continue
-        fp8 = entry["fp8_tflops"]
+        fp8, fp4 = entry["fp8_tflops"], entry["fp4_tflops"]
         specs[key] = HardwareSpec(
             key=key, name=entry["name"], memory_bytes=entry["memory_mib"] * MIB,
             bandwidth_bytes_per_s=entry["bandwidth_gb_s"] * 1e9, bf16_flops_per_s=entry["bf16_tflops"] * 1e12,
-            fp8_flops_per_s=None if fp8 is None else fp8 * 1e12,
+            fp8_flops_per_s=None if fp8 is None else fp8 * 1e12, fp4_flops_per_s=None if fp4 is None else fp4 * 1e12,
             link_bytes_per_s=entry["link_gb_s_per_direction"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
             calibrated=entry.get("calibrated", False),
             allreduce_latency_s=entry["allreduce_latency_us"]["cuda_graphs"] * 1e-6,

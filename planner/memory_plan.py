@@ -28,8 +28,8 @@ from engine.spec import Linear, ModelSpec
 from planner.errors import PlannerError
 from planner.hardware import HardwareSpec
 
-WEIGHT_SCHEMES = ("bf16", "fp8", "int4", "native")
-KV_DTYPES = ("bf16", "fp8")
+WEIGHT_SCHEMES = ("bf16", "fp8", "int4", "nvfp4", "native")
+KV_DTYPES = ("bf16", "fp8", "nvfp4")
 FLOAT_DTYPE = "bf16"                  # embeddings, norms, routers and every unquantized layer
 RUNTIME_RESERVE_BYTES = 1 * GIB       # CUDA context, NCCL buffers, CUDA graphs, allocator slack
 WORKSPACE_BYTES = 256 << 20           # GEMM and attention kernel workspaces
@@ -199,6 +199,10 @@ def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
         if max_model_len <= 0 or max_model_len > limit:
             raise PlannerError(f"max model length {max_model_len} must be in 1..{limit} for {model.name}")
         limit = max_model_len
+    for what, dtype in (("weights", weights), ("KV cache", kv_dtype)):
+        if dtype == "nvfp4" and not hardware.supports_nvfp4:
+            raise PlannerError(f"NVFP4 {what} need Blackwell's FP4 tensor cores; {hardware.key} has none "
+                               f"(b200 has)")
     scheme = weight_scheme(model, weights, group_size)
     by_component = component_bytes_per_gpu(model, scheme, parallel)
     usable = int(hardware.memory_bytes * utilization)

@@ -118,6 +118,26 @@ def test_weight_bytes_by_hand():
     assert native["attention"] == 2 * kimi.component_parameters()["attention"]
 
 
+def test_nvfp4_bytes_by_hand_and_only_on_blackwell():
+    """NVFP4: half a byte a value, an FP8 scale per 16 and an fp32 scale per matrix; the KV cache the same per
+    token (Llama-3.1-70B: 80 layers x 2 x 8 heads x 128 = 163,840 values: 81,920 + 10,240 bytes), 9/16 of FP8's.
+    B200 runs it on its FP4 tensor cores; an H100 has none: refused in one line."""
+    llama = get_model("llama-3.1-70b")
+    nvfp4 = component_bytes_per_gpu(llama, weight_scheme(llama, "nvfp4"), Parallelism(1))
+    bf16 = component_bytes_per_gpu(llama, weight_scheme(llama, "bf16"), Parallelism(1))
+    matrices = sum(linear.count for name in ("attention", "dense_ffn") for linear in llama.components()[name].linears)
+    values = (bf16["attention"] + bf16["dense_ffn"]) // 2
+    assert nvfp4["attention"] + nvfp4["dense_ffn"] == values // 2 + values // 16 + 4 * matrices
+    assert nvfp4["embeddings"] == bf16["embeddings"]
+    b200 = get_hardware("b200")
+    plan = plan_memory(llama, b200, Parallelism(1), "nvfp4", "nvfp4")
+    assert plan.kv_bytes_per_token_per_gpu == 81_920 + 10_240
+    assert b200.peak_flops("nvfp4") == 2 * b200.peak_flops("fp8")
+    for weights, kv in (("nvfp4", "fp8"), ("fp8", "nvfp4")):
+        with pytest.raises(PlannerError, match="NVFP4 .* need Blackwell's FP4 tensor cores; h100-sxm has none"):
+            plan_memory(llama, get_hardware("h100-sxm"), Parallelism(1), weights, kv)
+
+
 def test_tensor_parallelism_divides_weights_and_gqa_heads():
     llama = get_model("llama-3.1-8b")
     one = plan_memory(llama, get_hardware("h100-sxm"), Parallelism(1), "bf16", "bf16")
@@ -255,6 +275,8 @@ def test_plan_and_compare_print_tables():
      "200000 tokens is above llama-3.1-8b's limit of 131072"),
     (["--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "8", "--kv", "int8"], "unknown KV dtype 'int8'"),
     (["--model", "kimi-k2.6", "--hardware", "h200", "--gpus", "3", "--tp", "2"], "must divide the 3 GPUs"),
+    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--gpus", "1", "--weights", "nvfp4"],
+     "NVFP4 weights need Blackwell's FP4 tensor cores; h100-sxm has none"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     result = planner_cli("plan", *args)
