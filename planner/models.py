@@ -22,6 +22,21 @@ PRESETS = {
 }
 
 
+# The Hugging Face repositories the deploy commands of `planner search` name (a config path names itself)
+REPOSITORIES = {
+    "kimi-k2.6": "moonshotai/Kimi-K2.6", "glm-5.2": "zai-org/GLM-5.2", "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-32b": "Qwen/Qwen3-32B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B", "llama-4-scout": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
+def repository(name: str) -> str:
+    """Where serving engines load a model from: its Hugging Face repository, or the folder of a config path."""
+    return REPOSITORIES.get(name) or str(Path(name).parent if name.endswith(".json") else name)
+
+
 def spec_from_config(config: dict[str, Any], name: str) -> ModelSpec:
     """`engine.spec.spec_from_config`, its errors as the planner's."""
     try:

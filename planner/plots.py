@@ -81,3 +81,23 @@ def predicted_vs_measured(result: dict[str, Any]) -> go.Figure:
     figure.update_layout(yaxis_title="predicted / measured", height=420, margin=dict(t=30, b=80),
                          title="Planner predictions against the engine")
     return figure
+
+
+def pareto_front(points: list[dict[str, Any]], front: list[dict[str, Any]], chosen: dict[str, Any] | None) -> go.Figure:
+    """Every configuration that met the SLOs (tokens/s per GPU against tokens/s per user), the Pareto front
+    through them, and the chosen one (the cheapest per token) marked."""
+    def scatter(rows: list[dict[str, Any]], **style: Any) -> None:
+        figure.add_scatter(x=[r["tokens_per_s_per_user"] for r in rows], y=[r["tokens_per_s_per_gpu"] for r in rows],
+                           text=[r["configuration"] for r in rows], hovertemplate="%{text}<br>%{x:.1f} tok/s per user"
+                           "<br>%{y:.1f} tok/s per GPU<extra></extra>", **style)
+
+    figure = go.Figure()
+    scatter(points, mode="markers", name="meets the SLOs", marker=dict(color="#A0A0A0", size=7))
+    ordered = sorted(front, key=lambda r: r["tokens_per_s_per_user"])
+    scatter(ordered, mode="lines+markers", name="Pareto front", marker=dict(color="#4C78A8", size=9))
+    if chosen is not None:
+        scatter([chosen], mode="markers", name="cheapest per token",
+                marker=dict(color="#E15759", size=16, symbol="star"))
+    figure.update_layout(xaxis_title="tokens/s per user", yaxis_title="tokens/s per GPU", height=460,
+                         legend_orientation="h", margin=dict(t=30, b=40))
+    return figure

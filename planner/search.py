@@ -1,0 +1,351 @@
+"""`planner search`: the cheapest deployment that meets latency SLOs, every candidate simulated with the engine's
+own scheduler and allocator rather than judged by a formula.
+
+1. Enumerate: hardware x GPUs per replica (powers of two up to `max_gpus`, one tensor-parallel group) x expert
+   parallelism (MoE models, more than one GPU) x weights x KV dtype x `max_num_seqs` x prefill chunk budget.
+2. Prune analytically what cannot work: a format the GPU lacks (NVFP4 off Blackwell), heads or experts that do
+   not split, weights that leave no room for one request of the workload's longest; and what cannot meet the
+   SLOs even alone: one stream's decode step above a TPOT limit, the longest prompt's prefill above a TTFT one.
+3. Simulate the rest: the largest Poisson rate at which every SLO holds, by bisection between 0 and an upper
+   bound from the step model (`rate_iterations` halvings), on the workload's own requests and seed.
+
+A fleet is replicas of one configuration: `cheapest_fleet` sizes it for a target rate. Results depend only on
+the candidate, the workload, the SLOs and the iterations: any executor gives the same (`planner.sweep`).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from planner.capacity import HOURS, Deployment, evaluate, simulate
+from planner.errors import PlannerError
+from planner.hardware import get_hardware
+from planner.models import get_model, repository
+from planner.step_model import BatchShape
+from planner.sweep import ResultCache, run_tasks
+from planner.workload import Workload
+
+SLO_METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "e2e_p50_s",
+               "e2e_p90_s")
+DEFAULT_WEIGHTS = ("bf16", "fp8", "int4", "nvfp4")
+DEFAULT_KV = ("bf16", "fp8")
+DEFAULT_MAX_SEQS = (64, 256)
+DEFAULT_CHUNKS = (2048, 8192)
+RATE_ITERATIONS = 8
+RATE_HEADROOM = 1.25            # the bisection's upper bound over the step model's saturated rate
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency limits in seconds by report metric, e.g. ttft_p99_s=2, tpot_p99_s=0.05."""
+
+    limits: tuple[tuple[str, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.limits:
+            raise PlannerError(f"give at least one SLO (metrics: {', '.join(SLO_METRICS)})")
+        for metric, limit in self.limits:
+            if metric not in SLO_METRICS:
+                raise PlannerError(f"unknown SLO metric {metric!r} (choose from {', '.join(SLO_METRICS)})")
+            if not (isinstance(limit, (int, float)) and limit > 0 and math.isfinite(limit)):
+                raise PlannerError(f"the SLO {metric} must be a positive number of seconds, got {limit!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Slo:
+        """`ttft_p99_s=2,tpot_p99_s=0.05`."""
+        limits = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            metric, equals, value = item.partition("=")
+            try:
+                limits.append((metric.strip(), float(value)))
+            except ValueError:
+                raise PlannerError(f"bad SLO {item!r}: use METRIC=SECONDS, e.g. ttft_p99_s=2") from None
+            if not equals:
+                raise PlannerError(f"bad SLO {item!r}: use METRIC=SECONDS, e.g. ttft_p99_s=2")
+        return cls(tuple(limits))
+
+    def met(self, report: dict[str, Any]) -> bool:
+        """Every limit holds; a TPOT of requests with one output token (None) meets any."""
+        return all(report.get(metric) is None and metric.startswith("tpot") or
+                   report.get(metric) is not None and report[metric] <= limit for metric, limit in self.limits)
+
+    def tightest(self, prefix: str) -> float | None:
+        """The smallest limit on a metric family ("ttft", "tpot", "e2e"); None when none is set."""
+        return min((limit for metric, limit in self.limits if metric.startswith(prefix)), default=None)
+
+    def text(self) -> str:
+        return ",".join(f"{metric}={limit:g}" for metric, limit in self.limits)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    model: str
+    hardware: tuple[str, ...] = ("h100-sxm", "h200", "b200")
+    max_gpus: int = 8
+    weights: tuple[str, ...] = DEFAULT_WEIGHTS
+    kv_dtypes: tuple[str, ...] = DEFAULT_KV
+    max_num_seqs: tuple[int, ...] = DEFAULT_MAX_SEQS
+    chunk_budgets: tuple[int, ...] = DEFAULT_CHUNKS
+    explicit_formats: bool = False      # the user named the formats: NVFP4 off Blackwell is then an error
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_gpus, int) or self.max_gpus <= 0:
+            raise PlannerError(f"--max-gpus must be a positive integer, got {self.max_gpus!r}")
+        for hardware in self.hardware:
+            get_hardware(hardware)
+        for name in ("max_num_seqs", "chunk_budgets"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v <= 0 for v in values):
+                raise PlannerError(f"{name.replace('_', ' ')} must be positive integers, got {values!r}")
+        if self.explicit_formats and "nvfp4" in (*self.weights, *self.kv_dtypes) and not any(
+                get_hardware(h).supports_nvfp4 for h in self.hardware):
+            raise PlannerError(f"NVFP4 needs Blackwell's FP4 tensor cores; none of {', '.join(self.hardware)} has "
+                               f"them (b200 has)")
+
+    def gpu_counts(self) -> list[int]:
+        return [2 ** i for i in range(self.max_gpus.bit_length()) if 2 ** i <= self.max_gpus]
+
+
+def context_for(workload: Workload) -> int:
+    """What one request may hold in the cache: the longest prompt and output among the workload's requests."""
+    return max(r.prompt_tokens + r.output_tokens for r in workload.requests())
+
+
+def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
+    model = get_model(space.model)
+    context = min(context_for(workload), model.max_position_embeddings)
+    found = []
+    for hardware in space.hardware:
+        nvfp4 = get_hardware(hardware).supports_nvfp4
+        for gpus in space.gpu_counts():
+            for expert_parallel in ((False, True) if model.is_moe and gpus > 1 else (False,)):
+                for weights in space.weights:
+                    for kv in space.kv_dtypes:
+                        if "nvfp4" in (weights, kv) and not nvfp4:
+                            continue        # a format this GPU does not have: not a configuration at all
+                        for seqs in space.max_num_seqs:
+                            for chunk in space.chunk_budgets:
+                                found.append(Deployment(space.model, hardware, gpus, weights, kv, context,
+                                                        tensor_parallel=gpus, expert_parallel=expert_parallel,
+                                                        max_num_seqs=seqs, max_num_batched_tokens=chunk))
+    return found
+
+
+def prune(deployment: Deployment, workload: Workload, slo: Slo) -> tuple[str | None, float]:
+    """(why it cannot work, or None; the bisection's upper bound on the rate where it can)."""
+    try:
+        capacity = evaluate(deployment)
+    except PlannerError as error:
+        return f"invalid: {error}", 0.0
+    if not capacity.fits:
+        return f"does not fit: {capacity.note}", 0.0
+    lengths = workload.requests()
+    prompt = statistics.fmean(r.prompt_tokens for r in lengths)
+    output = statistics.fmean(r.output_tokens for r in lengths)
+    longest = max(r.prompt_tokens for r in lengths)
+    tpot = slo.tightest("tpot")
+    one_stream = 1.0 / capacity.single_stream_tokens_per_s
+    if tpot is not None and one_stream > tpot:
+        return f"cannot meet tpot: one stream decodes a token in {one_stream * 1e3:.1f} ms", 0.0
+    ttft = slo.tightest("ttft")
+    chunk = min(longest, deployment.max_num_batched_tokens)
+    steps = math.ceil(longest / chunk)
+    prefill = steps * capacity.step_seconds(BatchShape.of([], [(chunk, chunk)], capacity.index_topk))
+    if ttft is not None and prefill > ttft:
+        return f"cannot meet ttft: the longest prompt alone prefills in {prefill:.3f} s", 0.0
+    per_request = prompt / capacity.prefill_tokens_per_s + output / capacity.decode_tokens_per_s
+    return None, RATE_HEADROOM / per_request
+
+
+def max_rate(deployment: Deployment, workload: Workload, slo: Slo, high: float,
+             iterations: int = RATE_ITERATIONS) -> tuple[float, dict[str, Any] | None]:
+    """The largest Poisson rate (requests/s, within high / 2**iterations) whose simulation meets every SLO, with
+    that simulation's report; (0, None) when even the lowest rate tried misses."""
+    low, best = 0.0, None
+    for _ in range(iterations):
+        rate = (low + high) / 2
+        report = simulate(deployment, replace(workload, arrival="poisson", rate=rate)).report()
+        if slo.met(report):
+            low, best = rate, report
+        else:
+            high = rate
+    return low, best
+
+
+@dataclass(frozen=True)
+class Task:
+    """One candidate's simulation, as an executor runs it (picklable; the cache's key)."""
+
+    deployment: Deployment
+    workload: Workload
+    slo: Slo
+    high: float
+    iterations: int = RATE_ITERATIONS
+
+    def key(self) -> dict[str, Any]:
+        return {"deployment": asdict(self.deployment), "workload": asdict(self.workload), "slo": self.slo.text(),
+                "high": self.high, "iterations": self.iterations}
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    rate, report = max_rate(task.deployment, task.workload, task.slo, task.high, task.iterations)
+    return {"rate": rate, "report": report}
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A configuration that meets the SLOs, at the largest rate it sustains."""
+
+    deployment: Deployment
+    rate: float
+    report: dict[str, Any]
+    gpu_hour_usd: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.report["output_tokens_per_s"]
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.output_tokens_per_s / self.deployment.gpus
+
+    @property
+    def tokens_per_s_per_user(self) -> float | None:
+        tpot = self.report.get("tpot_p50_s")
+        return 1.0 / tpot if tpot else None
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.deployment.gpus * self.gpu_hour_usd
+
+    @property
+    def usd_per_million_tokens(self) -> float:
+        return self.usd_per_hour / HOURS / self.output_tokens_per_s * 1e6
+
+    def name(self) -> str:
+        d = self.deployment
+        return (f"{d.gpus}x{d.hardware} tp{d.gpus}{' ep' if d.expert_parallel else ''} {d.weights}/kv {d.kv_dtype} "
+                f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}")
+
+    def row(self) -> dict[str, Any]:
+        d = self.deployment
+        return {"configuration": self.name(), "hardware": d.hardware, "gpus": d.gpus, "tensor_parallel": d.gpus,
+                "expert_parallel": d.expert_parallel, "weights": d.weights, "kv_dtype": d.kv_dtype,
+                "max_num_seqs": d.max_num_seqs, "max_num_batched_tokens": d.max_num_batched_tokens,
+                "max_rate_rps": round(self.rate, 4), "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 2),
+                "tokens_per_s_per_user": None if self.tokens_per_s_per_user is None
+                else round(self.tokens_per_s_per_user, 2),
+                "ttft_p99_s": self.report["ttft_p99_s"], "tpot_p99_s": self.report["tpot_p99_s"],
+                "usd_per_hour": round(self.usd_per_hour, 2),
+                "usd_per_million_tokens": round(self.usd_per_million_tokens, 4)}
+
+
+@dataclass
+class SearchResult:
+    space: SearchSpace
+    workload: Workload
+    slo: Slo
+    ranked: list[Ranked]
+    pruned: list[tuple[Deployment, str]]
+    missed: list[Deployment]            # simulated, but no rate tried met the SLOs
+    simulated: int
+    cached: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def enumerated(self) -> int:
+        return len(self.pruned) + self.simulated
+
+    def pareto(self) -> list[Ranked]:
+        """The ranked configurations no other beats on both tokens/s per GPU and tokens/s per user."""
+        points = [r for r in self.ranked if r.tokens_per_s_per_user is not None]
+
+        def dominated(a: Ranked) -> bool:
+            return any(b.tokens_per_s_per_gpu >= a.tokens_per_s_per_gpu
+                       and b.tokens_per_s_per_user >= a.tokens_per_s_per_user
+                       and (b.tokens_per_s_per_gpu, b.tokens_per_s_per_user)
+                       != (a.tokens_per_s_per_gpu, a.tokens_per_s_per_user) for b in points)
+        return sorted((a for a in points if not dominated(a)), key=lambda r: r.tokens_per_s_per_gpu)
+
+    def closest(self) -> str:
+        """What comes nearest when nothing meets the SLOs."""
+        if self.missed:
+            return f"{len(self.missed)} configurations fit but miss the SLOs even at the lowest rate tried"
+        reasons = sorted({reason.split(":")[0] for _, reason in self.pruned})
+        return f"every configuration was pruned ({', '.join(reasons)}); the first: {self.pruned[0][1]}"
+
+
+def rank(tasks: list[Task], results: list[dict[str, Any]]) -> tuple[list[Ranked], list[Deployment]]:
+    ranked, missed = [], []
+    for task, result in zip(tasks, results):
+        if result["report"] is None:
+            missed.append(task.deployment)
+            continue
+        price = get_hardware(task.deployment.hardware).with_price(task.deployment.gpu_hour_usd).gpu_hour_usd
+        ranked.append(Ranked(task.deployment, result["rate"], result["report"], price))
+    ranked.sort(key=lambda r: (r.usd_per_million_tokens, -r.rate, r.name()))
+    return ranked, missed
+
+
+def cheapest_fleet(ranked: list[Ranked], target_rate: float) -> dict[str, Any] | None:
+    """Replicas of one ranked configuration that sustain `target_rate` requests/s, at the lowest USD per hour."""
+    if not (target_rate > 0 and math.isfinite(target_rate)):
+        raise PlannerError(f"--target-rate must be a positive number of requests/s, got {target_rate!r}")
+    fleets = [(math.ceil(target_rate / r.rate), r) for r in ranked if r.rate > 0]
+    if not fleets:
+        return None
+    replicas, best = min(fleets, key=lambda item: (item[0] * item[1].usd_per_hour, item[1].name()))
+    return {"configuration": best.name(), "replicas": replicas, "gpus": replicas * best.deployment.gpus,
+            "rate_rps": round(replicas * best.rate, 4), "usd_per_hour": round(replicas * best.usd_per_hour, 2),
+            "deploy": deploy_commands(best.deployment)}
+
+
+VLLM_QUANTIZATION = {"fp8": "--quantization fp8", "int4": "--quantization awq",
+                     "nvfp4": "--quantization modelopt_fp4"}
+SGLANG_QUANTIZATION = {"fp8": "--quantization fp8", "int4": "--quantization awq",
+                       "nvfp4": "--quantization modelopt_fp4"}
+SGLANG_KV = {"fp8": "fp8_e4m3", "nvfp4": "fp4_e2m1"}
+
+
+def deploy_commands(deployment: Deployment) -> dict[str, str]:
+    """The same configuration as vLLM and SGLang command lines. INT4 and NVFP4 name a checkpoint quantized so
+    (AWQ, NVIDIA ModelOpt); vLLM has no FP4 KV cache, so its line keeps FP8 there and says so."""
+    d = deployment
+    model = repository(d.model)
+    vllm = [f"vllm serve {model}", f"--tensor-parallel-size {d.gpus}"]
+    sglang = [f"python -m sglang.launch_server --model-path {model}", f"--tp {d.gpus}"]
+    if d.expert_parallel:
+        vllm.append("--enable-expert-parallel")
+        sglang.append(f"--ep-size {d.gpus}")
+    if d.weights in VLLM_QUANTIZATION:
+        vllm.append(VLLM_QUANTIZATION[d.weights])
+        sglang.append(SGLANG_QUANTIZATION[d.weights])
+    if d.kv_dtype in ("fp8", "nvfp4"):
+        vllm.append("--kv-cache-dtype fp8")
+        sglang.append(f"--kv-cache-dtype {SGLANG_KV[d.kv_dtype]}")
+    vllm += [f"--max-num-seqs {d.max_num_seqs}", f"--max-num-batched-tokens {d.max_num_batched_tokens}",
+             f"--max-model-len {d.context}", f"--gpu-memory-utilization {d.utilization}"]
+    sglang += [f"--max-running-requests {d.max_num_seqs}", f"--chunked-prefill-size {d.max_num_batched_tokens}",
+               f"--context-length {d.context}", f"--mem-fraction-static {d.utilization}"]
+    commands = {"vllm": " ".join(vllm), "sglang": " ".join(sglang)}
+    if d.kv_dtype == "nvfp4":
+        commands["vllm"] += "  # vLLM has no FP4 KV cache; in FP8 it holds 0.56x the tokens"
+    return commands
+
+
+def run_search(space: SearchSpace, workload: Workload, slo: Slo, executor: str = "local", workers: int | None = None,
+               cache: ResultCache | None = None, progress: bool = False,
+               iterations: int = RATE_ITERATIONS) -> SearchResult:
+    """Enumerate, prune, simulate what is left (on `executor`), rank by USD per million tokens."""
+    tasks, pruned = [], []
+    for deployment in candidates(space, workload):
+        reason, high = prune(deployment, workload, slo)
+        if reason:
+            pruned.append((deployment, reason))
+        else:
+            tasks.append(Task(deployment, workload, slo, high, iterations))
+    results, cached = run_tasks(tasks, run_task, executor, workers, cache, progress)
+    ranked, missed = rank(tasks, results)
+    return SearchResult(space, workload, slo, ranked, pruned, missed, len(tasks), cached)
