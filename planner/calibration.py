@@ -22,15 +22,16 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from engine.profile_format import PROFILE_VERSION, REGIMES
+from engine.profile_format import PROFILE_VERSION, REGIMES, engine_version
 from planner.communication import fit_alpha_beta
 from planner.errors import PlannerError
 from planner.files import read_json
-from planner.hardware import catalogue
+from planner.hardware import HardwareSpec, catalogue
 from planner.step_model import (BatchShape, MeasuredLinears, ModelCosts, Peaks, StepParameters, StepTerms, combine,
                                  step_terms)
 
 CALIBRATION_VERSION = 1
+PROFILES = Path(__file__).resolve().parent / "profiles"
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
 # each coefficient's (lower bound, upper bound, typical size for the solver's scaling), by name
@@ -328,3 +329,45 @@ def load_calibration(path: str | Path) -> Calibration:
         raise PlannerError(f"calibration {str(path)!r} has version {document.get('version')!r}; "
                            f"this planner reads version {CALIBRATION_VERSION}")
     return Calibration.of(document, f"calibration {str(path)!r}")
+
+
+def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str) -> Path | None:
+    """A calibration under planner/profiles made on this hardware for exactly this model and these dtypes."""
+    path = PROFILES / f"{hardware}-{model}-{weights}-kv{kv_dtype}.calibration.json"
+    return path if path.exists() else None
+
+
+def step_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str, calibration: str | None = None,
+                    cuda_graphs: bool | None = None) -> tuple[StepParameters, Peaks | None, str]:
+    """The step parameters of a deployment: (parameters, measured peaks or None, where they came from), from the
+    given calibration (which must match), else a committed one for exactly this setup, else the defaults. What a
+    profile did not measure comes from the catalogue: the collectives' latency where it ran on one device, the
+    cost per kernel launched where it was not profiled at several depths (`HELD`). With CUDA graphs a step
+    launches once: no cost per kernel, whatever an eager engine's profile measured."""
+    graphs = hardware.cuda_graphs if cuda_graphs is None else cuda_graphs
+    params, measured, source = _fitted_parameters(hardware, model, weights, kv_dtype, calibration)
+    if measured is None and not params.collective_latency_s:
+        params = replace(params, collective_latency_s=hardware.collective_latency(graphs))
+    if graphs or not params.kernel_launch_s:
+        params = replace(params, kernel_launch_s=hardware.launch_cost(graphs))
+    return params, measured, source
+
+
+def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str,
+                       path: str | None) -> tuple[StepParameters, Peaks | None, str]:
+    if path is None:
+        found = committed_calibration(hardware.key, model, weights, kv_dtype)
+        path = str(found) if found else None
+    if path is None:
+        if hardware.calibrated:
+            raise PlannerError(f"hardware {hardware.key!r} is described by a calibration: none exists for "
+                               f"{model} {weights}/kv {kv_dtype}; give --calibration")
+        return StepParameters(), None, "defaults (no calibration for this hardware)"
+    calibration = load_calibration(path)
+    fingerprint = calibration.fingerprint
+    if fingerprint.get("hardware") != hardware.key:
+        raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
+    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
+    calibration.check_matches(engine_version=engine_version(), weights=weights, kv_dtype=kv_dtype)
+    peaks = calibration.peaks if hardware.calibrated else None
+    return calibration.parameters, peaks, f"calibration {Path(path).name}"

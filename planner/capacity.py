@@ -2,7 +2,9 @@
 
 A deployment is a model on a number of GPUs of one kind, with weight and KV dtypes. Memory comes from
 `planner.memory_plan`; step times from `planner.step_model`, with the efficiencies of a calibration when
-one exists for that hardware and these dtypes, else the documented defaults of `StepParameters`.
+one exists for that hardware and these dtypes, else the documented defaults of `StepParameters`
+(`planner.calibration.step_parameters`). The simulation of a workload on it is here too; searching over
+deployments is `planner.search`.
 
 Decode throughput at a context length: every replica runs its largest concurrency (the KV pool's, at
 most `max_num_seqs`) as one decode batch. Prefill throughput: one chunk of `max_num_batched_tokens` new
@@ -12,14 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from engine.config import SchedulerConfig
 from engine.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
-from engine.profile_format import engine_version
 from engine.spec import ModelSpec
 
-from planner.calibration import Calibration, load_calibration
+from planner.calibration import step_parameters
 from planner.errors import PlannerError
 from planner.hardware import HardwareSpec, get_hardware
 from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, MemoryPlan, Parallelism,
@@ -29,7 +29,6 @@ from planner.simulator import Simulation, SimulationResult, StepTime, model_step
 from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.workload import Workload
 
-PROFILES = Path(__file__).resolve().parent / "profiles"
 HOURS = 3600.0
 MAX_GPUS_SEARCHED = 1024
 
@@ -64,47 +63,6 @@ class Deployment:
     @property
     def parallel(self) -> Parallelism:
         return Parallelism(self.gpus, self.tensor_parallel, self.expert_parallel, self.attention_data_parallel)
-
-
-def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str) -> Path | None:
-    """A calibration under planner/profiles made on this hardware for exactly this model and these dtypes."""
-    path = PROFILES / f"{hardware}-{model}-{weights}-kv{kv_dtype}.calibration.json"
-    return path if path.exists() else None
-
-
-def step_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
-    """(parameters, measured peaks or None, where they came from). A given calibration must match. What a profile
-    did not measure comes from the catalogue: the collectives' latency where it ran on one device, the cost per
-    kernel launched where it was not profiled at several depths (`planner.calibration.HELD`). With CUDA graphs
-    a step launches once: no cost per kernel, whatever an eager engine's profile measured."""
-    graphs = hardware.cuda_graphs if deployment.cuda_graphs is None else deployment.cuda_graphs
-    params, measured, source = _fitted_parameters(deployment, hardware)
-    if measured is None and not params.collective_latency_s:
-        params = replace(params, collective_latency_s=hardware.collective_latency(graphs))
-    if graphs or not params.kernel_launch_s:
-        params = replace(params, kernel_launch_s=hardware.launch_cost(graphs))
-    return params, measured, source
-
-
-def _fitted_parameters(deployment: Deployment, hardware: HardwareSpec) -> tuple[StepParameters, Peaks | None, str]:
-    path = deployment.calibration
-    if path is None:
-        found = committed_calibration(hardware.key, deployment.model, deployment.weights, deployment.kv_dtype)
-        path = str(found) if found else None
-    if path is None:
-        if hardware.calibrated:
-            raise PlannerError(f"hardware {hardware.key!r} is described by a calibration: none exists for "
-                               f"{deployment.model} {deployment.weights}/kv {deployment.kv_dtype}; give --calibration")
-        return StepParameters(), None, "defaults (no calibration for this hardware)"
-    calibration: Calibration = load_calibration(path)
-    fingerprint = calibration.fingerprint
-    if fingerprint.get("hardware") != hardware.key:
-        raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
-    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
-    calibration.check_matches(engine_version=engine_version(), weights=deployment.weights,
-                              kv_dtype=deployment.kv_dtype)
-    peaks = calibration.peaks if hardware.calibrated else None
-    return calibration.parameters, peaks, f"calibration {Path(path).name}"
 
 
 def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
@@ -242,7 +200,8 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
     parallel = deployment.parallel
     weight_scheme(model, deployment.weights, deployment.group_size)
-    params, measured, source = step_parameters(deployment, hardware)
+    params, measured, source = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
+                                               deployment.calibration, deployment.cuda_graphs)
     if measured is not None:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
     hardware = hardware.with_price(deployment.gpu_hour_usd)
@@ -377,23 +336,6 @@ def simulate(deployment: Deployment, workload: Workload, router: str = "least-lo
     """The workload through the deployment's replicas, each running the engine's scheduler."""
     config, step, replicas = simulation_setup(deployment)
     return Simulation(config, step, replicas, router, record_steps, progress).run(workload)
-
-
-def meets_slo(report: dict, slo_ttft_p99_s: float | None, slo_tpot_p99_s: float | None) -> bool:
-    return ((slo_ttft_p99_s is None or report["ttft_p99_s"] <= slo_ttft_p99_s)
-            and (slo_tpot_p99_s is None or report["tpot_p99_s"] is None or report["tpot_p99_s"] <= slo_tpot_p99_s))
-
-
-def max_rate_meeting_slo(deployment: Deployment, workload: Workload, slo_ttft_p99_s: float | None,
-                         slo_tpot_p99_s: float | None, high: float, iterations: int = 10) -> float:
-    """The largest Poisson arrival rate (requests/s, within high / 2**iterations) whose TTFT p99 and TPOT p99
-    meet the SLOs, by bisection over simulations of the same workload at other rates; 0 if none does."""
-    low = 0.0
-    for _ in range(iterations):
-        rate = (low + high) / 2
-        report = simulate(deployment, replace(workload, arrival="poisson", rate=rate)).report()
-        low, high = (rate, high) if meets_slo(report, slo_ttft_p99_s, slo_tpot_p99_s) else (low, rate)
-    return low
 
 
 def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:
