@@ -116,6 +116,19 @@ class BlockManager:
         self._num_slots[seq_id] += num_new_tokens
         return new_pages
 
+    def append_decodes(self, seq_ids: list[int]) -> bool:
+        """One more token slot for each sequence (all hold pages), all or nothing: False, and nothing reserved,
+        when the free pages cannot take the ones whose last page is full. The decode step's fast path."""
+        slots, page_size = self._num_slots, self.page_size
+        full = [seq_id for seq_id in seq_ids if slots[seq_id] % page_size == 0]
+        if len(full) > len(self._free):
+            return False
+        for seq_id in full:
+            self._grant(seq_id, self._free.popleft())
+        for seq_id in seq_ids:
+            slots[seq_id] += 1
+        return True
+
     def _grant(self, seq_id: int, page: int) -> None:
         self._ref_counts[page] += 1
         self._tables[seq_id].append(page)

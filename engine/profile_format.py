@@ -15,31 +15,21 @@ REGIMES = ("prefill", "decode", "mixed")
 def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`. With sparse attention
     (`index_topk` > 0) also what its indexer scans and its attention reads (`selected_pairs`)."""
-    decodes = decode_context = decode_max = prefills = prefill_tokens = pairs = prefill_context = 0
-    decode_selected = prefill_selected = indexed_pairs = indexed_context = 0
-    for item in output.scheduled:       # one pass: the simulator calls this every step
-        n, end = item.num_new_tokens, item.end
-        if n == 1 and item.start > 0:
-            decodes += 1
-            decode_context += end
-            decode_max = max(decode_max, end)
-            decode_selected += min(end, index_topk)
-        else:
-            prefills += 1
-            prefill_tokens += n
-            pairs += n * end - n * (n - 1) // 2
-            prefill_context += end
-            if index_topk:
-                prefill_selected += selected_pairs(n, end, index_topk)
-                if end > index_topk:
-                    indexed_pairs += n * end - n * (n - 1) // 2
-                    indexed_context += end
-    shape = {"num_decodes": decodes, "decode_context_tokens": decode_context, "decode_max_context": decode_max,
-             "num_prefills": prefills,
-             "prefill_tokens": prefill_tokens, "prefill_pairs": pairs, "prefill_context_tokens": prefill_context}
+    items = output.scheduled            # the simulator calls this every step: comprehensions, not a loop body
+    decode_ends = [item.end for item in items if item.num_new_tokens == 1 and item.start > 0]
+    chunks = ([(item.num_new_tokens, item.end) for item in items if item.num_new_tokens != 1 or item.start == 0]
+              if len(decode_ends) < len(items) else [])
+    shape = {"num_decodes": len(decode_ends), "decode_context_tokens": sum(decode_ends),
+             "decode_max_context": max(decode_ends, default=0), "num_prefills": len(chunks),
+             "prefill_tokens": sum(n for n, _ in chunks),
+             "prefill_pairs": sum(n * end - n * (n - 1) // 2 for n, end in chunks),
+             "prefill_context_tokens": sum(end for _, end in chunks)}
     if index_topk:
-        shape.update(decode_selected_tokens=decode_selected, prefill_selected_pairs=prefill_selected,
-                     prefill_indexed_pairs=indexed_pairs, prefill_indexed_context_tokens=indexed_context)
+        scanned = [(n, end) for n, end in chunks if end > index_topk]
+        shape.update(decode_selected_tokens=sum(min(end, index_topk) for end in decode_ends),
+                     prefill_selected_pairs=sum(selected_pairs(n, end, index_topk) for n, end in chunks),
+                     prefill_indexed_pairs=sum(n * end - n * (n - 1) // 2 for n, end in scanned),
+                     prefill_indexed_context_tokens=sum(end for _, end in scanned))
     return shape
 
 

@@ -5,7 +5,9 @@ the step produced. Each step spends a budget of `max_num_batched_tokens`:
 
 1. running sequences, oldest first, each gets its next token (decode) or the next chunk of its prompt;
    when the pool cannot hold them, the newest running sequence is preempted by recompute: its pages
-   are freed and it goes back to the front of the waiting queue, keeping the tokens it generated;
+   are freed and it goes back to the front of the waiting queue, keeping the tokens it generated
+   (the common step where every running sequence decodes and the pool takes them all is made in one go:
+   the same batch, without the per-sequence checks);
 2. then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget,
    `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
 
@@ -88,6 +90,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         manager, running, scheduled = self.block_manager, self.running, out.scheduled
         index = 0
+        if running and len(running) <= budget and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in running) \
+                and manager.append_decodes([seq.seq_id for seq in running]):
+            # every running sequence decodes and the pool takes them all: the whole batch at once
+            scheduled.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1) for seq in running])
+            budget -= len(running)
+            index = len(running)
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -129,8 +137,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advances the scheduled sequences; `sampled` maps seq_id to its new token. Returns the finished."""
+    def update(self, output: SchedulerOutput, sampled: dict[int, int] | None) -> list[Sequence]:
+        """Advances the scheduled sequences; `sampled` maps seq_id to its new token (None: token 0 for every
+        one, as the simulator samples, where lengths alone end requests). Returns the finished."""
         finished = []
         max_model_len, done = self.config.max_model_len, SequenceStatus.FINISHED
         for item in output.scheduled:
@@ -138,10 +147,8 @@ class Scheduler:
             if seq.status is done:       # aborted between schedule and update
                 continue
             seq.num_computed_tokens = item.end
-            if item.samples:
-                seq.append_token(sampled[seq.seq_id], max_model_len)
-                if seq.status is done:
-                    finished.append(seq)
+            if item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
+                finished.append(seq)
         if finished:
             ended = {id(seq) for seq in finished}
             self.running = [seq for seq in self.running if id(seq) not in ended]

@@ -96,14 +96,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
-        """Records a sampled token and finishes the sequence when a stop condition holds."""
-        self.output_token_ids.append(token_id)
+    def append_token(self, token_id: int, max_model_len: int) -> bool:
+        """Records a sampled token and finishes the sequence when a stop condition holds; True if it did."""
+        outputs = self.output_token_ids
+        outputs.append(token_id)
         self.num_tokens += 1
         if token_id in self._stop_ids:
             self.finish(FinishReason.STOP)
-        elif len(self.output_token_ids) >= self._max_tokens or self.num_tokens >= max_model_len:
+            return True
+        if len(outputs) >= self._max_tokens or self.num_tokens >= max_model_len:
             self.finish(FinishReason.LENGTH)
+            return True
+        return False
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

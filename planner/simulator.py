@@ -32,6 +32,7 @@ from planner.step_model import BatchShape
 from planner.workload import RequestSpec, Workload
 
 ROUTERS = ("round-robin", "least-loaded")
+
 StepTime = Callable[[SchedulerOutput], float]
 
 
@@ -124,15 +125,15 @@ class Replica:
             start = env.now
             duration = self.step_time(output)
             yield env.timeout(duration)
-            sampled = {item.seq.seq_id: 0 for item in output.scheduled if item.samples}
             sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
                           len(scheduler.running))
             now = env.now
-            for seq_id in sampled:
-                timing = timings[seq_id]
-                if timing.first_token_s is None:
-                    timing.first_token_s = now
-            for seq in scheduler.update(output, sampled):
+            for item in output.scheduled:
+                if item.samples:
+                    timing = timings[item.seq.seq_id]
+                    if timing.first_token_s is None:
+                        timing.first_token_s = now
+            for seq in scheduler.update(output, None):
                 timing = timings[seq.seq_id]
                 if timing.finish_s is not None:
                     raise PlannerError(f"request {seq.seq_id} finished twice")

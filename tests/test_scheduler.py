@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SamplingParams
@@ -108,3 +109,40 @@ def test_abort_removes_and_frees():
     assert scheduler.abort(1).finish_reason.value == "abort"
     assert scheduler.abort(1) is None
     assert scheduler.block_manager.num_used_pages == 1
+
+
+class OneByOne(BlockManager):
+    """Refuses the batch of decodes: the scheduler then takes every sequence on its own."""
+
+    def append_decodes(self, seq_ids: list[int]) -> bool:
+        return False
+
+
+def test_the_decode_fast_path_forms_the_same_batches_and_tables_as_one_by_one():
+    """Random arrivals and lengths in a pool small enough to preempt: step by step, the scheduler that appends a
+    whole decode batch at once and the one that appends each sequence alone schedule, preempt and allocate the
+    same; and the fast path did take most steps."""
+    import random
+
+    rng = random.Random(7)
+    config = SchedulerConfig(num_pages=30, page_size=4, max_num_seqs=12, max_num_batched_tokens=24)
+    fast, slow = Scheduler(config), Scheduler(config, OneByOne(config.num_pages, config.page_size))
+    taken = []
+    original = fast.block_manager.append_decodes
+    fast.block_manager.append_decodes = lambda ids: taken.append(original(ids)) or taken[-1]
+    arrivals = {step: [(rng.randrange(1, 30), rng.randrange(1, 20)) for _ in range(rng.randrange(1, 4))]
+                for step in range(0, 200, 3)}
+    next_id = 0
+    for step in range(1000):
+        for prompt, max_tokens in arrivals.get(step, []):
+            fast.add(seq(next_id, prompt, max_tokens))
+            slow.add(seq(next_id, prompt, max_tokens))
+            next_id += 1
+        outputs = [scheduler.schedule() for scheduler in (fast, slow)]
+        assert batch(outputs[0]) == batch(outputs[1]), step
+        assert [s.seq_id for s in outputs[0].preempted] == [s.seq_id for s in outputs[1].preempted]
+        assert fast.block_manager._tables == slow.block_manager._tables
+        for scheduler, output in zip((fast, slow), outputs):
+            scheduler.update(output, {s.seq.seq_id: 5 for s in output.scheduled if s.samples})
+    assert not fast.has_unfinished() and next_id > 100 and fast.num_preemptions > 0
+    assert sum(taken) > 100
