@@ -23,6 +23,7 @@ never go back to the free list.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 from engine.memory import pages_for_tokens
@@ -41,13 +42,55 @@ class OutOfPages(RuntimeError):
     """A mutator was called although its `can_*` check was false."""
 
 
+class FreePages:
+    """The free list: the pages never handed out yet, lowest first (made lazily, so a pool of a million pages
+    costs nothing to create: the simulator makes one per simulation), then the pages given back, in the order
+    they came back. A deque's interface, as much of it as the manager uses."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._next, self._end = 0, num_pages
+        self._withdrawn: set[int] = set()       # never handed out, but taken out of circulation
+        self._returned: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return self._end - self._next - len(self._withdrawn) + len(self._returned)
+
+    def _fresh(self, page: int) -> bool:
+        return self._next <= page < self._end and page not in self._withdrawn
+
+    def __contains__(self, page: int) -> bool:
+        return self._fresh(page) or page in self._returned
+
+    def __iter__(self) -> Iterator[int]:
+        yield from (page for page in range(self._next, self._end) if page not in self._withdrawn)
+        yield from self._returned
+
+    def popleft(self) -> int:
+        while self._next < self._end:
+            page = self._next
+            self._next += 1
+            if page not in self._withdrawn:
+                return page
+            self._withdrawn.discard(page)
+        return self._returned.popleft()
+
+    def append(self, page: int) -> None:
+        self._returned.append(page)
+
+    def remove(self, page: int) -> None:
+        if self._fresh(page):
+            self._withdrawn.add(page)
+        else:
+            self._returned.remove(page)
+
+
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = FreePages(num_pages)
         self._ref_counts = [0] * num_pages
         self._tables: dict[int, list[int]] = {}
         self._leases: dict[int, list[int]] = {}     # epoch of each page of a table when it was granted
@@ -128,6 +171,20 @@ class BlockManager:
         for seq_id in seq_ids:
             slots[seq_id] += 1
         return True
+
+    def pages_for_more(self, seq_ids: list[int], num_tokens: int) -> int:
+        """The pages `num_tokens` more slots for each sequence would add."""
+        slots, tables, page_size = self._num_slots, self._tables, self.page_size
+        return sum(-(-(slots[seq_id] + num_tokens) // page_size) - len(tables[seq_id]) for seq_id in seq_ids)
+
+    def append_many(self, seq_ids: list[int], num_tokens: int) -> None:
+        """`num_tokens` more slots for each sequence at once (the caller checked `pages_for_more`): what that
+        many decode steps reserve, with the same page counts (not the same page ids)."""
+        if self.pages_for_more(seq_ids, num_tokens) > len(self._free):
+            raise OutOfPages(f"{num_tokens} more slots for {len(seq_ids)} sequences need more than the "
+                             f"{len(self._free)} free pages")
+        for seq_id in seq_ids:
+            self.append(seq_id, num_tokens)
 
     def _grant(self, seq_id: int, page: int) -> None:
         self._ref_counts[page] += 1

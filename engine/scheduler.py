@@ -6,7 +6,7 @@ the step produced. Each step spends a budget of `max_num_batched_tokens`:
 1. running sequences, oldest first, each gets its next token (decode) or the next chunk of its prompt;
    when the pool cannot hold them, the newest running sequence is preempted by recompute: its pages
    are freed and it goes back to the front of the waiting queue, keeping the tokens it generated
-   (the common step where every running sequence decodes and the pool takes them all is made in one go:
+   (the oldest running sequences that all decode, when the pool takes them all, are scheduled in one go:
    the same batch, without the per-sequence checks);
 2. then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget,
    `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
@@ -89,13 +89,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         manager, running, scheduled = self.block_manager, self.running, out.scheduled
-        index = 0
-        if running and len(running) <= budget and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in running) \
-                and manager.append_decodes([seq.seq_id for seq in running]):
-            # every running sequence decodes and the pool takes them all: the whole batch at once
-            scheduled.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1) for seq in running])
-            budget -= len(running)
-            index = len(running)
+        index = self._decode_prefix(budget)
+        if index and manager.append_decodes([seq.seq_id for seq in running[:index]]):
+            # the oldest running sequences all decode and the pool takes them all: that part of the batch at once
+            scheduled.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1) for seq in running[:index]])
+            budget -= index
+        else:
+            index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -111,23 +111,38 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.block_manager.can_allocate(num_new):
+        while not out.preempted:
+            num_new = self.admissible(budget)
+            if num_new is None:
                 break
-            self.waiting.popleft()
+            seq = self.waiting.popleft()
             self.block_manager.allocate(seq.seq_id, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return out
+
+    def _decode_prefix(self, budget: int) -> int:
+        """How many of the oldest running sequences, at most `budget`, each need exactly one token (decode)."""
+        count = 0
+        for seq in self.running:
+            if count == budget or seq.num_tokens - seq.num_computed_tokens != 1:
+                break
+            count += 1
+        return count
+
+    def admissible(self, budget: int) -> int | None:
+        """The tokens of the first waiting sequence that a step with `budget` tokens left would admit (its whole
+        prompt, or a chunk); None when it would admit none."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = self.waiting[0].num_uncomputed_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        return num_new if self.block_manager.can_allocate(num_new) else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from engine.config import SchedulerConfig
+from engine.metrics import RequestTiming
 from engine.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.spec import ModelSpec
 
@@ -332,10 +333,12 @@ def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, StepTime,
 
 
 def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
-             record_steps: bool = False) -> SimulationResult:
-    """The workload through the deployment's replicas, each running the engine's scheduler."""
+             record_steps: bool = False,
+             give_up: Callable[[RequestTiming], bool] | None = None) -> SimulationResult:
+    """The workload through the deployment's replicas, each running the engine's scheduler (stopped early where
+    `give_up` says the outcome is settled)."""
     config, step, replicas = simulation_setup(deployment)
-    return Simulation(config, step, replicas, router, record_steps, progress).run(workload)
+    return Simulation(config, step, replicas, router, record_steps, progress, give_up).run(workload)
 
 
 def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:

@@ -312,7 +312,8 @@ def cmd_search(args: argparse.Namespace) -> None:
         print(json.dumps(payload))
         return
     lines = [f"{args.model}, SLO {slo.text()}: {result.enumerated} configurations, {len(result.pruned)} pruned, "
-             f"{result.simulated} simulated ({result.cached} from the cache), {len(rows)} meet the SLOs"]
+             f"{result.simulated} simulated ({result.cached} from the cache), "
+             f"{len(rows)} meet the SLOs"]
     if note:
         lines.append(note)
     header = (f"{'configuration':58s} {'rate/s':>8s} {'tok/s/GPU':>10s} {'tok/s/user':>10s} {'TTFT p99':>9s} "

@@ -6,8 +6,9 @@ own scheduler and allocator rather than judged by a formula.
 2. Prune analytically what cannot work: a format the GPU lacks (NVFP4 off Blackwell), heads or experts that do
    not split, weights that leave no room for one request of the workload's longest; and what cannot meet the
    SLOs even alone: one stream's decode step above a TPOT limit, the longest prompt's prefill above a TTFT one.
-3. Simulate the rest: the largest Poisson rate at which every SLO holds, by bisection between 0 and an upper
-   bound from the step model (`rate_iterations` halvings), on the workload's own requests and seed.
+3. Simulate the rest: the largest Poisson rate at which every SLO holds (from the step model's estimate,
+   doubled while it passes, then bisected), on the workload's own requests and seed; a simulation stops as soon
+   as its misses settle the answer.
 
 A fleet is replicas of one configuration: `cheapest_fleet` sizes it for a target rate. Results depend only on
 the candidate, the workload, the SLOs and the iterations: any executor gives the same (`planner.sweep`).
@@ -16,16 +17,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from engine.metrics import RequestTiming
 from planner.capacity import HOURS, Deployment, evaluate, simulate
 from planner.errors import PlannerError
 from planner.hardware import get_hardware
 from planner.models import get_model, repository
 from planner.step_model import BatchShape
 from planner.sweep import ResultCache, run_tasks
-from planner.workload import Workload
+from planner.workload import RequestSpec, Workload
 
 SLO_METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "e2e_p50_s",
                "e2e_p90_s")
@@ -33,8 +36,8 @@ DEFAULT_WEIGHTS = ("bf16", "fp8", "int4", "nvfp4")
 DEFAULT_KV = ("bf16", "fp8")
 DEFAULT_MAX_SEQS = (64, 256)
 DEFAULT_CHUNKS = (2048, 8192)
-RATE_ITERATIONS = 8
-RATE_HEADROOM = 1.25            # the bisection's upper bound over the step model's saturated rate
+RATE_ITERATIONS = 6
+MAX_DOUBLINGS = 3               # how far above the step model's estimate a rate search may go
 
 
 @dataclass(frozen=True)
@@ -133,44 +136,84 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
     return found
 
 
-def prune(deployment: Deployment, workload: Workload, slo: Slo) -> tuple[str | None, float]:
-    """(why it cannot work, or None; the bisection's upper bound on the rate where it can)."""
+def analyse(deployment: Deployment, workload: Workload, slo: Slo) -> tuple[str | None, float]:
+    """What the step model says before any simulation: why the candidate cannot work (None if it may), and the
+    rate its search starts from (what it sustains with every step as the step model prices it)."""
     try:
         capacity = evaluate(deployment)
     except PlannerError as error:
         return f"invalid: {error}", 0.0
     if not capacity.fits:
         return f"does not fit: {capacity.note}", 0.0
-    lengths = workload.requests()
-    prompt = statistics.fmean(r.prompt_tokens for r in lengths)
-    output = statistics.fmean(r.output_tokens for r in lengths)
-    longest = max(r.prompt_tokens for r in lengths)
+    requests = workload.requests()
+    prompt = statistics.fmean(r.prompt_tokens for r in requests)
+    output = statistics.fmean(r.output_tokens for r in requests)
+    longest = max(r.prompt_tokens for r in requests)
     tpot = slo.tightest("tpot")
     one_stream = 1.0 / capacity.single_stream_tokens_per_s
     if tpot is not None and one_stream > tpot:
         return f"cannot meet tpot: one stream decodes a token in {one_stream * 1e3:.1f} ms", 0.0
     ttft = slo.tightest("ttft")
     chunk = min(longest, deployment.max_num_batched_tokens)
-    steps = math.ceil(longest / chunk)
-    prefill = steps * capacity.step_seconds(BatchShape.of([], [(chunk, chunk)], capacity.index_topk))
+    prefill = math.ceil(longest / chunk) * capacity.step_seconds(BatchShape.of([], [(chunk, chunk)],
+                                                                                capacity.index_topk))
     if ttft is not None and prefill > ttft:
         return f"cannot meet ttft: the longest prompt alone prefills in {prefill:.3f} s", 0.0
-    per_request = prompt / capacity.prefill_tokens_per_s + output / capacity.decode_tokens_per_s
-    return None, RATE_HEADROOM / per_request
+    return None, 1.0 / (prompt / capacity.prefill_tokens_per_s + output / capacity.decode_tokens_per_s)
 
 
-def max_rate(deployment: Deployment, workload: Workload, slo: Slo, high: float,
+def settled_miss(slo: Slo, requests: list[RequestSpec]) -> Callable[[RequestTiming], bool]:
+    """A simulation's `give_up` hook: True once so many requests missed a limit that its percentile must miss it
+    too. Percentiles are nearest-rank: the p-th of n values exceeds a limit once n - ceil(p n / 100) + 1 do.
+    TTFT is judged at a request's first token, TPOT and end to end at its last."""
+    defined = {"ttft": len(requests), "e2e": len(requests), "tpot": sum(1 for r in requests if r.output_tokens >= 2)}
+    rules = []
+    for metric, limit in slo.limits:
+        family, percentile = metric.split("_")[0], int(metric.split("_")[1][1:])
+        count = defined[family]
+        rules.append((f"{family}_s", family != "ttft", limit, count - math.ceil(percentile * count / 100) + 1))
+    misses = [0] * len(rules)
+
+    def give_up(timing: RequestTiming) -> bool:
+        ended = timing.finish_s is not None
+        for index, (attribute, at_end, limit, enough) in enumerate(rules):
+            value = getattr(timing, attribute) if at_end == ended else None
+            if value is not None and value > limit:
+                misses[index] += 1
+                if misses[index] >= enough:
+                    return True
+        return False
+    return give_up
+
+
+def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: float,
              iterations: int = RATE_ITERATIONS) -> tuple[float, dict[str, Any] | None]:
-    """The largest Poisson rate (requests/s, within high / 2**iterations) whose simulation meets every SLO, with
-    that simulation's report; (0, None) when even the lowest rate tried misses."""
-    low, best = 0.0, None
-    for _ in range(iterations):
+    """The largest Poisson rate (requests/s) whose simulation meets every SLO, with that simulation's report;
+    (0, None) when none tried does. It tries the step model's `estimate` first, doubles while that passes (at
+    most `MAX_DOUBLINGS` times), then bisects between the last pass and the first miss (or 0) for the rest of
+    `iterations`. A rate is dropped as soon as its simulation has settled a miss (`settled_miss`): overloaded
+    runs, the longest, stop early."""
+    def passes(rate: float) -> dict[str, Any] | None:
+        at_rate = replace(workload, arrival="poisson", rate=rate)
+        result = simulate(deployment, at_rate, give_up=settled_miss(slo, at_rate.requests()))
+        report = None if result.abandoned else result.report()
+        return report if report is not None and slo.met(report) else None
+
+    low, best, high = 0.0, None, estimate
+    for _ in range(MAX_DOUBLINGS + 1):
+        report = passes(high)
+        if report is None:
+            break
+        low, best, high = high, report, 2 * high
+    else:
+        return low, best
+    for _ in range(iterations - 1):
         rate = (low + high) / 2
-        report = simulate(deployment, replace(workload, arrival="poisson", rate=rate)).report()
-        if slo.met(report):
-            low, best = rate, report
-        else:
+        report = passes(rate)
+        if report is None:
             high = rate
+        else:
+            low, best = rate, report
     return low, best
 
 
@@ -181,16 +224,16 @@ class Task:
     deployment: Deployment
     workload: Workload
     slo: Slo
-    high: float
+    estimate: float
     iterations: int = RATE_ITERATIONS
 
     def key(self) -> dict[str, Any]:
         return {"deployment": asdict(self.deployment), "workload": asdict(self.workload), "slo": self.slo.text(),
-                "high": self.high, "iterations": self.iterations}
+                "estimate": self.estimate, "iterations": self.iterations}
 
 
 def run_task(task: Task) -> dict[str, Any]:
-    rate, report = max_rate(task.deployment, task.workload, task.slo, task.high, task.iterations)
+    rate, report = max_rate(task.deployment, task.workload, task.slo, task.estimate, task.iterations)
     return {"rate": rate, "report": report}
 
 
@@ -252,7 +295,6 @@ class SearchResult:
     missed: list[Deployment]            # simulated, but no rate tried met the SLOs
     simulated: int
     cached: int = 0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def enumerated(self) -> int:
@@ -338,14 +380,14 @@ def deploy_commands(deployment: Deployment) -> dict[str, str]:
 def run_search(space: SearchSpace, workload: Workload, slo: Slo, executor: str = "local", workers: int | None = None,
                cache: ResultCache | None = None, progress: bool = False,
                iterations: int = RATE_ITERATIONS) -> SearchResult:
-    """Enumerate, prune, simulate what is left (on `executor`), rank by USD per million tokens."""
+    """Enumerate, prune analytically, simulate what is left (on `executor`), rank by USD per million tokens."""
     tasks, pruned = [], []
     for deployment in candidates(space, workload):
-        reason, high = prune(deployment, workload, slo)
+        reason, estimate = analyse(deployment, workload, slo)
         if reason:
             pruned.append((deployment, reason))
         else:
-            tasks.append(Task(deployment, workload, slo, high, iterations))
+            tasks.append(Task(deployment, workload, slo, estimate, iterations))
     results, cached = run_tasks(tasks, run_task, executor, workers, cache, progress)
     ranked, missed = rank(tasks, results)
     return SearchResult(space, workload, slo, ranked, pruned, missed, len(tasks), cached)

@@ -13,6 +13,7 @@ Metrics follow `engine.metrics`: a token exists at the end of the step that samp
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import sys
 import time
@@ -32,16 +33,30 @@ from planner.step_model import BatchShape
 from planner.workload import RequestSpec, Workload
 
 ROUTERS = ("round-robin", "least-loaded")
+MIN_WINDOW = 4              # decode steps worth fast-forwarding (fewer: the usual path is as quick)
 
 StepTime = Callable[[SchedulerOutput], float]
 
 
-def model_step_time(step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> StepTime:
+class ModelStepTime:
     """A step-time function of the scheduler's batch, from one of a `BatchShape` (of a model whose sparse
-    attention reads `index_topk` tokens per query; 0: dense)."""
-    def seconds(output: SchedulerOutput) -> float:
-        return step_seconds(BatchShape(**batch_shape(output, index_topk)))
-    return seconds
+    attention reads `index_topk` tokens per query; 0: dense). It also prices a step of decodes given by its sums,
+    as the simulator's fast-forward needs: the same shape `batch_shape` makes of such a step, so the same time."""
+
+    def __init__(self, step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> None:
+        self.step_seconds = step_seconds
+        self.index_topk = index_topk
+
+    def __call__(self, output: SchedulerOutput) -> float:
+        return self.step_seconds(BatchShape(**batch_shape(output, self.index_topk)))
+
+    def decodes(self, count: int, context_tokens: int, max_context: int, selected_tokens: int) -> float:
+        sparse = {"decode_selected_tokens": selected_tokens, "prefill_selected_pairs": 0} if self.index_topk else {}
+        return self.step_seconds(BatchShape(count, context_tokens, max_context, **sparse))
+
+
+def model_step_time(step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> ModelStepTime:
+    return ModelStepTime(step_seconds, index_topk)
 
 
 def replayed_step_time(durations: list[float]) -> StepTime:
@@ -76,6 +91,7 @@ class SimulationResult:
     replicas: int
     wall_s: float
     preemptions: int
+    abandoned: bool = False             # stopped early by its `give_up` hook: the report covers what finished
 
     def report(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
         out = summarize(self.timings, slo_ttft_s, slo_tpot_s)
@@ -93,12 +109,15 @@ class Replica:
     """One engine: its scheduler and allocator, and the process that steps them."""
 
     def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
-                 sim: Simulation) -> None:
+                 sim: Simulation, fast_forward: bool = False) -> None:
         self.env = env
         self.index = index
         self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size))
         self.step_time = step_time
         self.sim = sim
+        self.fast_forward = fast_forward and isinstance(step_time, ModelStepTime)
+        self.steps = 0                  # steps this replica ran
+        self._no_window_until = 0       # the step before which no decode window can be long enough
         self.wakeup = env.event()
         self.unfinished = 0
         env.process(self.run())
@@ -118,12 +137,15 @@ class Replica:
                 yield self.wakeup
                 self.wakeup = env.event()
                 continue
+            if self.fast_forward and (yield from self.decode_window()):
+                continue
             output = scheduler.schedule()
             if output.is_empty:
                 raise PlannerError("the scheduler formed an empty batch with requests waiting: a request "
                                    "larger than the KV pool")
             start = env.now
             duration = self.step_time(output)
+            self.steps += 1
             yield env.timeout(duration)
             sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
                           len(scheduler.running))
@@ -133,6 +155,7 @@ class Replica:
                     timing = timings[item.seq.seq_id]
                     if timing.first_token_s is None:
                         timing.first_token_s = now
+                        sim.observe(timing)
             for seq in scheduler.update(output, None):
                 timing = timings[seq.seq_id]
                 if timing.finish_s is not None:
@@ -141,14 +164,72 @@ class Replica:
                 timing.output_tokens = len(seq.output_token_ids)
                 timing.preemptions = seq.num_preemptions
                 self.unfinished -= 1
+                sim.observe(timing)
                 sim.finished(seq.seq_id)
+
+
+    def decode_window(self):
+        """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
+        none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
+        (an arrival ends the window after the step it came in). Each step is priced from the shape the scheduler
+        would have given it and timed by its own SimPy timeout, so the clock is the step-by-step one; only the
+        per-sequence bookkeeping is done once for the whole window. Returns the steps taken (0: none could)."""
+        scheduler = self.scheduler
+        manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
+        count = len(running)
+        budget = config.max_num_batched_tokens - count
+        if (self.steps < self._no_window_until or not count or budget < 0 or scheduler.admissible(budget) is not None
+                or any(seq.num_tokens - seq.num_computed_tokens != 1 for seq in running)):
+            return 0
+        window = min(min(seq.params.max_tokens - len(seq.output_token_ids), config.max_model_len - seq.num_tokens)
+                     for seq in running) - 1              # the step a sequence finishes in runs the usual way
+        if window < MIN_WINDOW:                             # and none is long enough until that one has finished
+            self._no_window_until = self.steps + window + 1
+            return 0
+        ids = [seq.seq_id for seq in running]
+        free = manager.num_free_pages
+        if window >= MIN_WINDOW and manager.pages_for_more(ids, window) > free:
+            low, high = 0, window                           # the longest window the free pages take
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if manager.pages_for_more(ids, middle) <= free else (low, middle)
+            window = low
+        if window < MIN_WINDOW:
+            return 0
+        contexts = sorted(seq.num_computed_tokens for seq in running)   # a decode's context in step j: c + j
+        prefix = list(itertools.accumulate(contexts, initial=0))
+        total, longest, topk = prefix[-1], contexts[-1], self.step_time.index_topk
+        env, sim, waiting, used = self.env, self.sim, len(scheduler.waiting), manager.num_used_pages
+        steps = 0
+        while steps < window:
+            steps += 1
+            below = bisect.bisect_left(contexts, topk - steps) if topk else 0    # contexts still under index_topk
+            selected = prefix[below] + steps * below + topk * (count - below)
+            duration = self.step_time.decodes(count, total + count * steps, longest + steps, selected)
+            start = env.now
+            self.steps += 1
+            yield env.timeout(duration)
+            sim.note_step(self.index, start, duration, None, used, count)
+            if len(scheduler.waiting) != waiting:
+                break
+        manager.append_many(ids, steps)
+        for seq in running:                 # as `steps` decode steps that sampled token 0 leave them
+            seq.output_token_ids.extend([0] * steps)
+            seq.num_tokens += steps
+            seq.num_computed_tokens += steps
+        sim.note_pages(manager.num_used_pages)
+        return steps
 
 
 class Simulation:
     """Requests of a workload through `replicas` engines behind a router."""
 
     def __init__(self, config: SchedulerConfig, step_time: StepTime | Callable[[int], StepTime], replicas: int = 1,
-                 router: str = "least-loaded", record_steps: bool = True, progress: bool = False) -> None:
+                 router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
+                 give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True) -> None:
+        """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
+        says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
+        stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form)."""
         if router not in ROUTERS:
             raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
         if not isinstance(replicas, int) or replicas <= 0:
@@ -163,9 +244,20 @@ class Simulation:
         self.step_count = 0
         self.router = router
         self._round_robin = itertools.cycle(range(replicas))
-        self.replicas = [Replica(self.env, i, config, step_time, self) for i in range(replicas)]
+        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps)
+                         for i in range(replicas)]
         self._closed_loop: Callable[[int], None] | None = None
         self._bar = _progress_bar() if progress else None
+        self._give_up = give_up
+        self._done = self.env.event()       # every request finished, or given up on
+        self._expected = 0
+        self._finished = 0
+        self.abandoned = False
+
+    def observe(self, timing: RequestTiming) -> None:
+        if self._give_up is not None and not self.abandoned and self._give_up(timing):
+            self.abandoned = True
+            self._done.succeed()
 
     def note_step(self, replica: int, start: float, duration: float, output: SchedulerOutput, pages: int,
                   running: int) -> None:
@@ -178,9 +270,15 @@ class Simulation:
             self.steps.append(StepRecord(replica, start, duration, [(item.seq.seq_id, item.start, item.num_new_tokens)
                                                                      for item in output.scheduled], pages, running))
 
+    def note_pages(self, pages: int) -> None:
+        self.peak_pages = max(self.peak_pages, pages)
+
     def finished(self, seq_id: int) -> None:
         if self._bar is not None:
             self._bar.update()
+        self._finished += 1
+        if self._finished == self._expected and not self._done.triggered:
+            self._done.succeed()
         if self._closed_loop is not None:
             self._closed_loop(seq_id)
 
@@ -219,6 +317,7 @@ class Simulation:
             requests, closed = workload, users is not None
         if self._bar is not None:
             self._bar.reset(total=len(requests))
+        self._expected = len(requests)
         start = time.perf_counter()
         if closed:
             pending = iter(requests)
@@ -237,16 +336,18 @@ class Simulation:
                 send_next()
         else:
             self.env.process(self._open_arrivals(requests))
+        self._done.callbacks.append(simpy.core.StopSimulation.callback)     # ends run() when it triggers
         self.env.run()
         if self._bar is not None:
             self._bar.close()
         unfinished = [r.request_id for r in requests if self.timings.get(r.request_id) is None
                       or self.timings[r.request_id].finish_s is None]
-        if unfinished:
+        if unfinished and not self.abandoned:
             raise PlannerError(f"{len(unfinished)} requests never finished (first: {unfinished[0]})")
         return SimulationResult(list(self.timings.values()), self.steps, self.step_count, self.peak_running,
                                 self.peak_pages / self.config.num_pages, len(self.replicas),
-                                time.perf_counter() - start, sum(r.scheduler.num_preemptions for r in self.replicas))
+                                time.perf_counter() - start, sum(r.scheduler.num_preemptions for r in self.replicas),
+                                self.abandoned)
 
     def _after(self, delay: float, request: RequestSpec):
         """Submits a closed-loop user's next request after its think time."""

@@ -201,3 +201,38 @@ def test_simulator_replays_the_engines_batches(english_prompts):
     assert result.preemptions == served.preemptions
     engine_ttft = sorted((t.request_id, round(t.ttft_s, 9)) for t in served.timings)
     assert sorted((t.request_id, round(t.ttft_s, 9)) for t in result.timings) == engine_ttft
+
+
+def sparse_step(batch: BatchShape) -> float:
+    """A step that prices sparse attention's reads: the selected tokens of each decode, not its context."""
+    selected = batch.decode_context_tokens if batch.decode_selected_tokens is None else batch.decode_selected_tokens
+    return 0.004 + 1e-4 * batch.num_seqs + 2e-5 * batch.prefill_tokens + 3e-7 * selected
+
+
+@pytest.mark.parametrize("index_topk, num_pages, replicas", [(0, 400, 1), (96, 400, 2), (0, 60, 1)])
+def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk, num_pages, replicas, monkeypatch):
+    """Dense and sparse step prices, two replicas, a pool small enough to preempt: the same first tokens, ends,
+    steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run."""
+    from planner.simulator import Replica
+
+    windows = []
+    original = Replica.decode_window
+
+    def counted(self):
+        steps = yield from original(self)
+        windows.append(steps)
+        return steps
+    monkeypatch.setattr(Replica, "decode_window", counted)
+    config = SchedulerConfig(num_pages=num_pages, page_size=16, max_num_seqs=64, max_num_batched_tokens=1024,
+                             max_model_len=4096)
+    workload = Workload("poisson", 300, rate=3.0, prompt=LengthDistribution("uniform", low=20, high=300),
+                        output=LengthDistribution("uniform", low=10, high=300), seed=5)
+    results = [Simulation(config, model_step_time(sparse_step, index_topk), replicas, record_steps=False,
+                          fast_forward=fast).run(workload) for fast in (False, True)]
+    slow, fast = results
+    assert [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in slow.timings] == \
+           [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in fast.timings]
+    assert (slow.num_steps, slow.peak_running, slow.kv_utilization_peak, slow.preemptions) == \
+           (fast.num_steps, fast.peak_running, fast.kv_utilization_peak, fast.preemptions)
+    assert sum(windows) > slow.num_steps / 4, (sum(windows), slow.num_steps)
+    assert num_pages > 100 or slow.preemptions > 0
