@@ -9,9 +9,10 @@ from planner.errors import PlannerError
 from planner.hardware import hardware_names
 from planner.memory_plan import KV_DTYPES, WEIGHT_SCHEMES
 from planner.models import model_names
+from planner.search import WORKLOAD_PRESETS
 from planner.workload import ARRIVALS, LengthDistribution, Workload
 
-PAGES = ("Plan", "Compare", "Simulate", "Verify")
+PAGES = ("Plan", "Compare", "Simulate", "Search", "Verify")
 GIB = float(1 << 30)
 
 st.set_page_config(page_title="kvplan", layout="wide")
@@ -57,6 +58,7 @@ def show_plan(deployment: Deployment) -> None:
     columns[2].metric("KV capacity (tokens)", f"{summary['kv_capacity_tokens']:,}")
     columns[3].metric("KV bytes per token per GPU", f"{summary['kv_bytes_per_token_per_gpu']:,}")
     st.plotly_chart(view["figure"], key="plan-memory")
+    st.plotly_chart(view["concurrency"], key="plan-concurrency")
     st.caption(f"Max context limited by {details['max_context_reason']}; step times from "
                f"{details['parameters_source']}.")
     for note in details["notes"]:
@@ -112,6 +114,35 @@ def show_simulate(deployment: Deployment) -> None:
     st.plotly_chart(view["curve"], key="sim-curve")
 
 
+def show_search(deployment: Deployment) -> None:
+    st.subheader(f"The cheapest way to serve {deployment.model} within the SLOs")
+    columns = st.columns(4)
+    ttft = columns[0].number_input("TTFT p99 SLO (s)", min_value=0.01, value=2.0, step=0.5)
+    tpot = columns[0].number_input("TPOT p99 SLO (s)", min_value=0.001, value=0.05, step=0.01, format="%.3f")
+    hardware = columns[1].multiselect("Hardware", hardware_names(), default=[deployment.hardware])
+    max_gpus = int(columns[1].number_input("Max GPUs per replica", min_value=1, max_value=64,
+                                           value=deployment.gpus, step=1))
+    workload = columns[2].selectbox("Workload", list(WORKLOAD_PRESETS))
+    requests = int(columns[2].number_input("Requests per simulation", min_value=20, max_value=2000, value=60))
+    if not hardware:
+        st.info("Choose at least one kind of GPU.")
+        return
+    view = dashboard.search_view(deployment, f"ttft_p99_s={ttft},tpot_p99_s={tpot}", hardware, max_gpus, workload,
+                                 requests)
+    columns[3].metric("Configurations", view["enumerated"], help=f"{view['pruned']} pruned analytically, "
+                                                                   f"{view['simulated']} simulated")
+    columns[3].metric("Meet the SLOs", len(view["rows"]))
+    if view["note"]:
+        st.warning(view["note"])
+        return
+    st.plotly_chart(view["figure"], key="search-pareto")
+    st.dataframe(view["rows"])
+    for item in view["deploy"]:
+        st.markdown(f"**{item['configuration']}**")
+        st.code(item["vllm"], language="bash")
+        st.code(item["sglang"], language="bash")
+
+
 def show_verify() -> None:
     reports = dashboard.verification_reports()
     if not reports:
@@ -144,6 +175,7 @@ try:
     if page == "Verify":
         show_verify()
     elif deployment is not None:
-        {"Plan": show_plan, "Compare": show_compare, "Simulate": show_simulate}[page](deployment)
+        {"Plan": show_plan, "Compare": show_compare, "Simulate": show_simulate, "Search": show_search}[page](
+            deployment)
 except PlannerError as error:
     st.error(str(error))

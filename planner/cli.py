@@ -255,14 +255,6 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                     for key, value in payload.items()))
 
 
-SEARCH_WORKLOADS = {           # (prompt, output) lengths: lognormal around a median, clipped
-    "chat": (("lognormal", 1000, 0.8, 8192), ("lognormal", 256, 0.5, 1024)),
-    "rag": (("lognormal", 4000, 0.5, 16384), ("lognormal", 256, 0.5, 1024)),
-    "summarize": (("lognormal", 8000, 0.4, 32768), ("lognormal", 512, 0.4, 2048)),
-    "code": (("lognormal", 2000, 0.6, 16384), ("lognormal", 512, 0.6, 4096)),
-}
-
-
 def _csv(text: str, convert=str) -> tuple:
     try:
         return tuple(convert(item.strip()) for item in text.split(",") if item.strip())
@@ -270,20 +262,10 @@ def _csv(text: str, convert=str) -> tuple:
         raise PlannerError(f"bad list {text!r}: comma-separated values") from None
 
 
-def _search_workload(args: argparse.Namespace):
-    from planner.workload import LengthDistribution, Workload
-
-    if args.workload not in SEARCH_WORKLOADS:
-        raise PlannerError(f"unknown workload {args.workload!r} (choose from {', '.join(SEARCH_WORKLOADS)})")
-    prompt, output = (LengthDistribution(kind, value, sigma=sigma, maximum=maximum)
-                      for kind, value, sigma, maximum in SEARCH_WORKLOADS[args.workload])
-    prompt = LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else prompt
-    output = LengthDistribution.parse(args.output_tokens) if args.output_tokens else output
-    return Workload("poisson", args.requests, rate=1.0, prompt=prompt, output=output, seed=args.seed)
-
-
 def cmd_search(args: argparse.Namespace) -> None:
-    from planner.search import DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, cheapest_fleet, deploy_commands, run_search
+    from planner.search import (DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, cheapest_fleet, deploy_commands,
+                                preset_workload, run_search)
+    from planner.workload import LengthDistribution
     from planner.sweep import DEFAULT_CACHE, ResultCache
 
     slo = Slo.parse(args.slo)
@@ -296,8 +278,11 @@ def cmd_search(args: argparse.Namespace) -> None:
                         _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
                         explicit_formats=bool(args.weights or args.kv))
     cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
-    result = run_search(space, _search_workload(args), slo, f"ray:{args.ray}" if args.ray else "local", args.workers,
-                        cache, progress=not args.json)
+    workload = preset_workload(args.workload, args.requests, args.seed,
+                               LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
+                               LengthDistribution.parse(args.output_tokens) if args.output_tokens else None)
+    result = run_search(space, workload, slo, f"ray:{args.ray}" if args.ray else "local", args.workers, cache,
+                        progress=not args.json)
     rows = [r.row() for r in result.ranked]
     front = [r.row() for r in result.pareto()]
     deploy = [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in result.ranked[:args.top]]

@@ -12,7 +12,10 @@ from planner import plots
 from planner.capacity import (Deployment, evaluate, kv_dtype_comparison, simulate, simulation_setup,
                               weight_dtype_comparison)
 from planner.errors import PlannerError
-from planner.models import spec_from_config
+from planner.memory_plan import KV_DTYPES
+from planner.models import get_model, spec_from_config
+from planner.search import SearchSpace, Slo, deploy_commands, preset_workload, run_search
+from planner.sweep import DEFAULT_CACHE, ResultCache
 from planner.simulator import Simulation
 from planner.workload import LengthDistribution, Workload
 
@@ -42,7 +45,38 @@ def plan_view(deployment: Deployment) -> dict[str, Any]:
     result = evaluate(deployment)
     label = f"{deployment.weights} / KV {deployment.kv_dtype}"
     return {"summary": result.summary(), "details": result.details(),
-            "figure": plots.memory_breakdown({label: result.plan.breakdown()})}
+            "figure": plots.memory_breakdown({label: result.plan.breakdown()}),
+            "concurrency": plots.concurrency_by_context(concurrency_curves(deployment))}
+
+
+def concurrency_curves(deployment: Deployment) -> dict[str, list[tuple[int, int]]]:
+    """Max concurrency at contexts of 1K, 2K, ... up to the model's limit, for each KV dtype the GPU has."""
+    limit = get_model(deployment.model).max_position_embeddings
+    contexts = [1024 << i for i in range(32) if 1024 << i <= limit]
+    curves = {}
+    for kv in KV_DTYPES:
+        try:
+            plan = evaluate(replace(deployment, kv_dtype=kv)).plan
+        except PlannerError:            # a format this GPU does not have
+            continue
+        curves[kv] = [(context, plan.max_concurrency(context)) for context in contexts]
+    return curves
+
+
+def search_view(deployment: Deployment, slo: str, hardware: list[str], max_gpus: int, workload: str,
+                requests: int) -> dict[str, Any]:
+    """A search for the sidebar's model: the ranked table, the Pareto figure with the cheapest marked, the deploy
+    commands of the best three; simulated in this process, cached on disk."""
+    space = SearchSpace(deployment.model, tuple(hardware), max_gpus, max_num_seqs=(64, 256), chunk_budgets=(2048,))
+    result = run_search(space, preset_workload(workload, requests), Slo.parse(slo), executor="serial",
+                        cache=ResultCache(DEFAULT_CACHE))
+    rows = [r.row() for r in result.ranked]
+    front = [r.row() for r in result.pareto()]
+    return {"rows": rows, "pareto": front, "enumerated": result.enumerated, "pruned": len(result.pruned),
+            "simulated": result.simulated,
+            "figure": plots.pareto_front(rows, front, rows[0] if rows else None),
+            "deploy": [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in result.ranked[:3]],
+            "note": None if rows else f"nothing meets these SLOs; the closest: {result.closest()}"}
 
 
 def integrity_overhead() -> dict[str, Any] | None:

@@ -101,3 +101,16 @@ def pareto_front(points: list[dict[str, Any]], front: list[dict[str, Any]], chos
     figure.update_layout(xaxis_title="tokens/s per user", yaxis_title="tokens/s per GPU", height=460,
                          legend_orientation="h", margin=dict(t=30, b=40))
     return figure
+
+
+def concurrency_by_context(curves: dict[str, list[tuple[int, int]]]) -> go.Figure:
+    """Max concurrency against context length, one line per KV dtype (log-log: each doubling of the context
+    halves what the pool holds)."""
+    figure = go.Figure()
+    for kv, points in curves.items():
+        figure.add_scatter(x=[c for c, _ in points], y=[n for _, n in points], mode="lines+markers",
+                           name=f"KV {kv}")
+    figure.update_layout(xaxis_title="context per request (tokens)", yaxis_title="max concurrent requests",
+                         xaxis_type="log", yaxis_type="log", height=380, legend_orientation="h",
+                         margin=dict(t=30, b=40))
+    return figure

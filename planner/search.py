@@ -28,7 +28,7 @@ from planner.hardware import get_hardware
 from planner.models import get_model, repository
 from planner.step_model import BatchShape
 from planner.sweep import ResultCache, run_tasks
-from planner.workload import RequestSpec, Workload
+from planner.workload import LengthDistribution, RequestSpec, Workload
 
 SLO_METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "e2e_p50_s",
                "e2e_p90_s")
@@ -38,6 +38,25 @@ DEFAULT_MAX_SEQS = (64, 256)
 DEFAULT_CHUNKS = (2048, 8192)
 RATE_ITERATIONS = 6
 MAX_DOUBLINGS = 3               # how far above the step model's estimate a rate search may go
+
+
+# (prompt, output) lengths of the presets: lognormal around a median (sigma), clipped at a maximum
+WORKLOAD_PRESETS = {
+    "chat": ((1000, 0.8, 8192), (256, 0.5, 1024)),
+    "rag": ((4000, 0.5, 16384), (256, 0.5, 1024)),
+    "summarize": ((8000, 0.4, 32768), (512, 0.4, 2048)),
+    "code": ((2000, 0.6, 16384), (512, 0.6, 4096)),
+}
+
+
+def preset_workload(name: str, requests: int, seed: int = 0, prompt: LengthDistribution | None = None,
+                    output: LengthDistribution | None = None) -> Workload:
+    """A preset's Poisson workload (its rate is what the search varies); `prompt` or `output` override."""
+    if name not in WORKLOAD_PRESETS:
+        raise PlannerError(f"unknown workload {name!r} (choose from {', '.join(WORKLOAD_PRESETS)})")
+    prompts, outputs = (LengthDistribution("lognormal", median, sigma=sigma, maximum=maximum)
+                        for median, sigma, maximum in WORKLOAD_PRESETS[name])
+    return Workload("poisson", requests, rate=1.0, prompt=prompt or prompts, output=output or outputs, seed=seed)
 
 
 @dataclass(frozen=True)

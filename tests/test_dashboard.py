@@ -28,7 +28,7 @@ def test_plan_page_renders_the_default_deployment():
     shown = metrics(app)
     assert shown["Max context (tokens)"] == "262,144"            # Kimi K2.6's limit: FP8 KV on 8 H200 holds more
     assert int(shown["Max concurrency"].replace(",", "")) > 0
-    assert len(app.get("plotly_chart")) == 1
+    assert len(app.get("plotly_chart")) == 2                     # memory, and concurrency against context
 
 
 def test_a_changed_input_changes_the_numbers():
@@ -85,3 +85,19 @@ def test_simulate_page_reacts_to_the_load():
     app.number_input[0].set_value(40.0).run()                      # 20x the arrival rate
     assert not app.exception
     assert float(metrics(app)["TTFT p99"].split()[0]) > float(light.split()[0])
+
+
+def test_search_page_ranks_configurations_and_gives_deploy_commands():
+    """Llama-3.1-8B on up to 2 H100s: the Pareto chart, the ranked table, the commands of the best; a
+    tighter TPOT SLO than any configuration meets says so."""
+    app = fresh()
+    app.sidebar.selectbox[0].set_value("llama-3.1-8b").run()
+    app.sidebar.selectbox[1].set_value("h100-sxm").run()
+    app.sidebar.number_input[0].set_value(2).run()
+    app.sidebar.radio[0].set_value("Search").run()
+    assert not app.exception and not app.error
+    assert int(metrics(app)["Meet the SLOs"]) > 0 and len(app.get("plotly_chart")) == 1
+    assert app.dataframe[0].value["usd_per_million_tokens"].is_monotonic_increasing
+    assert any(block.value.startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct") for block in app.code)
+    app.number_input[1].set_value(0.001).run()                     # TPOT p99 of 1 ms
+    assert not app.exception and any("nothing meets these SLOs" in w.value for w in app.warning)
