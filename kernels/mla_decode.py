@@ -70,32 +70,45 @@ def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, scales_p
              mask=h_ok[:, None] & r_ok[None, :])
 
 
-def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, latent_dim: int,
-                     scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_mla_decode`; every context length must be >= 1 and the
-    page size a power of two of at least 16."""
+def check_mla_call(q: torch.Tensor, latent_pages: torch.Tensor, latent_dim: int, scales: torch.Tensor | None,
+                   per_sequence: dict[str, torch.Tensor]) -> bool:
+    """The checks both MLA decode kernels make (the page size a power of two of at least 16); `per_sequence`
+    names the tensors with one row per sequence. Returns whether the pages are FP8."""
     device = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, device)
     check_tensor("latent_pages", latent_pages, 3, PAGE_DTYPES, device)
-    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), device)
-    check_tensor("context_lens", context_lens, 1, (torch.int32, torch.int64), device)
-    batch, num_heads, width = q.shape
+    for name, tensor in per_sequence.items():
+        check_tensor(name, tensor, tensor.dim(), (torch.int32, torch.int64), device)
+    batch, _, width = q.shape
     _, page_size, row_width = latent_pages.shape
     check(row_width == width, f"query width ({width}) and cache rows ({row_width}) differ")
     check(0 < latent_dim < width, f"latent_dim must be in 1..{width - 1}, got {latent_dim}")
     check(page_size >= MIN_DOT and page_size & (page_size - 1) == 0,
           f"page size must be a power of two of at least {MIN_DOT}, got {page_size}")
-    check(block_tables.shape[0] == batch and context_lens.shape[0] == batch,
-          f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must cover "
-          f"the batch of {batch}")
+    check(all(tensor.shape[0] == batch for tensor in per_sequence.values()),
+          " and ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in per_sequence.items())
+          + f" must cover the batch of {batch}")
     fp8 = latent_pages.dtype == torch.float8_e4m3fn
     check(fp8 == (scales is not None), "FP8 pages need their two scales (latent, rope key); float pages take none")
     if fp8:
         check_tensor("scales", scales, 1, (torch.float32,), device)
         check(scales.shape[0] == 2, f"scales needs 2 entries (latent, rope key), got {scales.shape[0]}")
+    return fp8
+
+
+def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, latent_dim: int,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.reference.paged_mla_decode`; every context length must be >= 1 and the
+    page size a power of two of at least 16."""
+    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), q.device)
+    check_tensor("context_lens", context_lens, 1, (torch.int32, torch.int64), q.device)
+    fp8 = check_mla_call(q, latent_pages, latent_dim, scales,
+                         {"block_tables": block_tables, "context_lens": context_lens})
+    batch, num_heads, width = q.shape
+    page_size = latent_pages.shape[1]
     rope_dim = width - latent_dim
-    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=device)
+    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
     grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
     _mla_decode_kernel[grid](
         q, latent_pages, block_tables, context_lens, out, scales if fp8 else out, scale,

@@ -44,6 +44,13 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
     return out
 
 
+def _latent_row_scale(scales: torch.Tensor | None, latent_dim: int, width: int) -> torch.Tensor:
+    """A latent cache row's two FP8 scales spread over it (latent, rope key); ones for float pages."""
+    if scales is None:
+        return torch.ones(width)
+    return torch.cat([scales[0].float().cpu().expand(latent_dim), scales[1].float().cpu().expand(width - latent_dim)])
+
+
 def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, latent_dim: int,
                      scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,8 +59,7 @@ def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: 
     rope key). → [batch, heads, latent_dim]: the softmax-weighted sum of the latents, in q's dtype."""
     batch, _, width = q.shape
     page_size = latent_pages.shape[1]
-    row_scale = torch.ones(width) if scales is None else torch.cat(
-        [scales[0].float().cpu().expand(latent_dim), scales[1].float().cpu().expand(width - latent_dim)])
+    row_scale = _latent_row_scale(scales, latent_dim, width)
     out = torch.empty(batch, q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
     for b in range(batch):
         length = int(context_lens[b])
@@ -135,8 +141,7 @@ def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables:
     whole context. → [batch, heads, latent_dim] in q's dtype."""
     batch, _, width = q.shape
     page_size = latent_pages.shape[1]
-    row_scale = torch.ones(width) if scales is None else torch.cat(
-        [scales[0].float().cpu().expand(latent_dim), scales[1].float().cpu().expand(width - latent_dim)])
+    row_scale = _latent_row_scale(scales, latent_dim, width)
     out = torch.empty(batch, q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
     for b in range(batch):
         chosen = positions[b][positions[b] >= 0].long()

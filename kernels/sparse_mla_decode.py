@@ -11,12 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor, next_power_of_2
+from kernels._checks import check_tensor, next_power_of_2
+from kernels.mla_decode import BLOCK_HEADS, MIN_DOT, check_mla_call
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
-MIN_DOT = 16                # tl.dot needs every dimension >= 16
-BLOCK_HEADS = 16
 BLOCK_SELECTED = 16
 
 
@@ -76,27 +73,13 @@ def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables:
                       positions: torch.Tensor, scale: float, latent_dim: int,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `kernels.reference.sparse_mla_decode`; the page size a power of two of at least 16."""
-    device = q.device
-    check_tensor("q", q, 3, FLOAT_DTYPES, device)
-    check_tensor("latent_pages", latent_pages, 3, PAGE_DTYPES, device)
-    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), device)
-    check_tensor("positions", positions, 2, (torch.int32, torch.int64), device)
+    check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), q.device)
+    check_tensor("positions", positions, 2, (torch.int32, torch.int64), q.device)
+    fp8 = check_mla_call(q, latent_pages, latent_dim, scales, {"block_tables": block_tables, "positions": positions})
     batch, num_heads, width = q.shape
-    _, page_size, row_width = latent_pages.shape
-    check(row_width == width, f"query width ({width}) and cache rows ({row_width}) differ")
-    check(0 < latent_dim < width, f"latent_dim must be in 1..{width - 1}, got {latent_dim}")
-    check(page_size >= MIN_DOT and page_size & (page_size - 1) == 0,
-          f"page size must be a power of two of at least {MIN_DOT}, got {page_size}")
-    check(block_tables.shape[0] == batch and positions.shape[0] == batch,
-          f"block_tables {tuple(block_tables.shape)} and positions {tuple(positions.shape)} must cover the batch "
-          f"of {batch}")
-    fp8 = latent_pages.dtype == torch.float8_e4m3fn
-    check(fp8 == (scales is not None), "FP8 pages need their two scales (latent, rope key); float pages take none")
-    if fp8:
-        check_tensor("scales", scales, 1, (torch.float32,), device)
-        check(scales.shape[0] == 2, f"scales needs 2 entries (latent, rope key), got {scales.shape[0]}")
+    page_size = latent_pages.shape[1]
     rope_dim = width - latent_dim
-    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=device)
+    out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
     grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
     _sparse_mla_decode_kernel[grid](
         q, latent_pages, block_tables, positions, out, scales if fp8 else out, scale, positions.shape[1],
