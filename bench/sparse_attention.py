@@ -33,7 +33,7 @@ CONFIG = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"
           "index_topk": INDEX_TOPK, "index_head_dim": 128, "index_n_heads": 8,
           "indexer_types": ["full", "full", "full", "shared", "shared", "shared", "full", "shared"],
           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": [1]}
-CONTEXTS = (128, 256, 384, 512, 1024, 2048, 4096, 8192)
+CONTEXTS = (128, 256, 384, 511, 1024, 2048, 4096, 8192)      # 511: a decode then sees index_topk tokens
 BATCHES = (1, 4)
 SWEEP = SweepPlan(prefill_tokens=(64, 256, 512, 1024, 2048), multi_prefills=((1024, 2),), decode_batches=BATCHES,
                   decode_contexts=CONTEXTS, mixed=((4, 256, 256), (4, 1024, 256), (2, 4096, 128), (8, 512, 512)),
@@ -41,7 +41,7 @@ SWEEP = SweepPlan(prefill_tokens=(64, 256, 512, 1024, 2048), multi_prefills=((10
 
 
 def profile(config_path: str) -> dict:
-    llm = LLM(model=config_path, weights="fp32", num_threads=1, kv_cache_gib=0.5, max_num_batched_tokens=2048)
+    llm = LLM(model=config_path, weights="fp32", num_threads=1, kv_cache_gib=1.0, max_num_batched_tokens=2048)
     return Profiler(llm, SWEEP).run()
 
 
