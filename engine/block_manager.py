@@ -65,6 +65,14 @@ class FreePages:
         yield from (page for page in range(self._next, self._end) if page not in self._withdrawn)
         yield from self._returned
 
+    def take(self, count: int) -> list[int]:
+        """The next `count` pages, as `count` poplefts would give them."""
+        if not self._withdrawn and self._end - self._next >= count:
+            pages = list(range(self._next, self._next + count))
+            self._next += count
+            return pages
+        return [self.popleft() for _ in range(count)]
+
     def popleft(self) -> int:
         while self._next < self._end:
             page = self._next
@@ -153,9 +161,8 @@ class BlockManager:
             return []
         if needed > len(self._free):
             raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {len(self._free)} are free")
-        new_pages = [self._free.popleft() for _ in range(needed)]
-        for page in new_pages:
-            self._grant(seq_id, page)
+        new_pages = self._free.take(needed)
+        self._grant(seq_id, new_pages)
         self._num_slots[seq_id] += num_new_tokens
         return new_pages
 
@@ -166,8 +173,8 @@ class BlockManager:
         full = [seq_id for seq_id in seq_ids if slots[seq_id] % page_size == 0]
         if len(full) > len(self._free):
             return False
-        for seq_id in full:
-            self._grant(seq_id, self._free.popleft())
+        for seq_id, page in zip(full, self._free.take(len(full))):
+            self._grant(seq_id, [page])
         for seq_id in seq_ids:
             slots[seq_id] += 1
         return True
@@ -186,21 +193,31 @@ class BlockManager:
         for seq_id in seq_ids:
             self.append(seq_id, num_tokens)
 
-    def _grant(self, seq_id: int, page: int) -> None:
-        self._ref_counts[page] += 1
-        self._tables[seq_id].append(page)
-        self._leases[seq_id].append(self._epochs[page])
+    def _grant(self, seq_id: int, pages: list[int]) -> None:
+        counts, epochs = self._ref_counts, self._epochs
+        for page in pages:
+            counts[page] += 1
+        self._tables[seq_id].extend(pages)
+        self._leases[seq_id].extend([epochs[page] for page in pages])
         if self.guard is not None:
-            self.guard.granted(seq_id, page, self._epochs[page])
+            for page in pages:
+                self.guard.granted(seq_id, page, epochs[page])
 
-    def _release(self, page: int) -> None:
-        self._ref_counts[page] -= 1
-        if self._ref_counts[page] == 0:
-            self._epochs[page] += 1
-            if self.guard is not None:
-                self.guard.released(page, self._epochs[page])
-            if page not in self.quarantined:
-                self._free.append(page)
+    def _release(self, pages: list[int]) -> None:
+        """One reference less on each of the pages; a page no one holds any more is free again (unless
+        quarantined), in a new epoch."""
+        counts, epochs, guard, quarantined, free = (self._ref_counts, self._epochs, self.guard, self.quarantined,
+                                                    self._free)
+        for page in pages:
+            if counts[page] <= 0:
+                continue
+            counts[page] -= 1
+            if counts[page] == 0:
+                epochs[page] += 1
+                if guard is not None:
+                    guard.released(page, epochs[page])
+                if page not in quarantined:
+                    free.append(page)
 
     def free(self, seq_id: int) -> None:
         """Releases all pages of a sequence; a sequence without pages is a no-op."""
@@ -210,9 +227,7 @@ class BlockManager:
         if self.guard is not None and table:
             table, suspects = self.guard.audit(seq_id, table, leases)
             self.quarantine(suspects)
-        for page in table:
-            if self._ref_counts[page] > 0:
-                self._release(page)
+        self._release(table)
 
     def quarantine(self, pages: list[int]) -> None:
         """Takes pages out of circulation: whoever holds one keeps it, but it never returns to the free list."""

@@ -118,7 +118,7 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
     index = rng.randrange(len(table))
     if kind == "use_after_free":
         page = table[index]
-        manager._release(page)
+        manager._release([page])
     elif kind == "page_out_of_range":
         page = rng.choice((-1 - rng.randrange(manager.num_pages), manager.num_pages + rng.randrange(manager.num_pages)))
         table[index] = page
@@ -129,7 +129,7 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
             table[index] = page
         else:
             page = table[index]
-            manager._grant(other.seq_id, page)
+            manager._grant(other.seq_id, [page])
     return _fault(kind, [victim], page)
 
 

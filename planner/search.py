@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from engine.metrics import RequestTiming
-from planner.capacity import HOURS, Deployment, evaluate, simulate
+from planner.capacity import HOURS, Deployment, evaluate, simulation_setup
 from planner.errors import PlannerError
 from planner.hardware import get_hardware
 from planner.models import get_model, repository
+from planner.simulator import Simulation
 from planner.step_model import BatchShape
 from planner.sweep import ResultCache, run_tasks
 from planner.workload import LengthDistribution, RequestSpec, Workload
@@ -212,9 +213,13 @@ def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: flo
     most `MAX_DOUBLINGS` times), then bisects between the last pass and the first miss (or 0) for the rest of
     `iterations`. A rate is dropped as soon as its simulation has settled a miss (`settled_miss`): overloaded
     runs, the longest, stop early."""
+    config, step, replicas = simulation_setup(deployment)        # once: only the rate changes
+
     def passes(rate: float) -> dict[str, Any] | None:
         at_rate = replace(workload, arrival="poisson", rate=rate)
-        result = simulate(deployment, at_rate, give_up=settled_miss(slo, at_rate.requests()))
+        requests = at_rate.requests()
+        result = Simulation(config, step, replicas, record_steps=False,
+                            give_up=settled_miss(slo, requests)).run(requests)
         report = None if result.abandoned else result.report()
         return report if report is not None and slo.met(report) else None
 

@@ -49,7 +49,7 @@ def test_stale_table_and_foreign_page_are_caught_with_owner_and_epoch():
     manager, _, checker = tiny_pool("ownership")
     manager.allocate(1, 8)              # pages 0, 1
     manager.allocate(2, 4)              # page 2
-    manager._release(1)                 # page 1 freed behind seq 1's back: epoch 0 -> 1
+    manager._release([1])               # page 1 freed behind seq 1's back: epoch 0 -> 1
     manager._tables[2][0] = 0           # seq 2's table names seq 1's page 0
     found = {(v.seq_id, v.page): v for v in checker.check([scheduled(1, 8), scheduled(2, 4)])}
     assert set(found) == {(1, 1), (2, 0)}
@@ -143,11 +143,14 @@ def test_off_mode_keeps_checks_off_the_hot_path(workload, monkeypatch):
 
 def test_breaking_the_ownership_update_breaks_detection(workload, monkeypatch):
     """The checks cannot pass vacuously: a block manager that stops reporting frees lets faults through."""
-    def release_silently(self, page):
-        self._ref_counts[page] -= 1
-        if self._ref_counts[page] == 0:
-            self._epochs[page] += 1
-            self._free.append(page)
+    def release_silently(self, pages):
+        for page in pages:
+            if self._ref_counts[page] <= 0:
+                continue
+            self._ref_counts[page] -= 1
+            if self._ref_counts[page] == 0:
+                self._epochs[page] += 1
+                self._free.append(page)
 
     monkeypatch.setattr(BlockManager, "_release", release_silently)
     llm = campaign_engine("ownership")
