@@ -35,7 +35,7 @@ def planner_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def searched():
-    return run_search(SPACE, WORKLOAD, SLO, executor="local", workers=2, iterations=6)
+    return run_search(SPACE, WORKLOAD, SLO, executor="local", workers=2, bisections=3)
 
 
 def test_every_ranked_configuration_meets_the_slos_alone_at_its_rate(searched):
@@ -92,15 +92,15 @@ def test_the_executors_and_the_cache_give_the_same_ranking(searched, tmp_path):
         return [(r.name(), r.rate) for r in result.ranked]
 
     cache = ResultCache(tmp_path)
-    serial = run_search(SPACE, WORKLOAD, SLO, executor="serial", cache=cache, iterations=6)
+    serial = run_search(SPACE, WORKLOAD, SLO, executor="serial", cache=cache, bisections=3)
     assert ranking(serial) == ranking(searched) and serial.cached == 0
-    again = run_search(SPACE, WORKLOAD, SLO, executor="serial", cache=cache, iterations=6)
+    again = run_search(SPACE, WORKLOAD, SLO, executor="serial", cache=cache, bisections=3)
     assert ranking(again) == ranking(searched) and again.cached == again.simulated
     pytest.importorskip("ray")
     import ray
 
     try:
-        on_ray = run_search(SPACE, WORKLOAD, SLO, executor="ray:local", workers=2, iterations=6)
+        on_ray = run_search(SPACE, WORKLOAD, SLO, executor="ray:local", workers=2, bisections=3)
     finally:
         ray.shutdown()
     assert ranking(on_ray) == ranking(searched)
