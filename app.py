@@ -131,12 +131,12 @@ def show_search(deployment: Deployment) -> None:
                                  requests)
     columns[3].metric("Configurations", view["enumerated"], help=f"{view['pruned']} pruned analytically, "
                                                                    f"{view['simulated']} simulated")
-    columns[3].metric("Meet the SLOs", len(view["rows"]))
+    columns[3].metric("Meet the SLOs", view["met_slo"])
     if view["note"]:
         st.warning(view["note"])
         return
     st.plotly_chart(view["figure"], key="search-pareto")
-    st.dataframe(view["rows"])
+    st.dataframe(view["ranked"])
     for item in view["deploy"]:
         st.markdown(f"**{item['configuration']}**")
         st.code(item["vllm"], language="bash")

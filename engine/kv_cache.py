@@ -77,6 +77,11 @@ class PagedKVCache:
         return self.pools[1]
 
     @property
+    def index_key_scales(self) -> torch.Tensor | None:
+        """The indexer keys' per-token scales (FP8 pages only)."""
+        return self.pools[2] if self.is_fp8 else None
+
+    @property
     def nbytes(self) -> int:
         """Bytes actually allocated; equals the memory model's figure by construction (tested)."""
         return sum(pool.nbytes for pool in self.pools) + sum(scale.nbytes for scale in self.scales)
@@ -140,8 +145,12 @@ class PagedKVCache:
 
     def gather_latent(self, layer: int, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows of the given pages ([..., page_size, latent_dim + rope_dim] per index) in `dtype`."""
-        rows = self.latents[layer][pages].to(dtype)
-        if self.is_fp8:
+        return self._latent_rows(layer, self.latents[layer][pages], dtype)
+
+    def _latent_rows(self, layer: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered latent cache rows in `dtype`, dequantized where the pages are FP8."""
+        rows = rows.to(dtype)
+        if self.is_fp8:                                  # in place: the converted copy is ours alone
             rows.mul_(self.latent_scale_row(layer).to(dtype))
         return rows
 
@@ -150,7 +159,7 @@ class PagedKVCache:
         pool = self.index_keys[slot].view(-1, keys.shape[-1])
         if self.is_fp8:
             scales = fp8_scale(keys.float().abs().amax(dim=-1))
-            self.pools[2][slot].view(-1)[slot_mapping] = scales
+            self.index_key_scales[slot].view(-1)[slot_mapping] = scales
             keys = quantize_fp8(keys, scales[:, None])
         pool[slot_mapping] = keys.to(pool.dtype)
 
@@ -158,15 +167,12 @@ class PagedKVCache:
         """Indexer keys of the given pages ([..., page_size, indexer_dim] per index) in `dtype`."""
         keys = self.index_keys[slot][pages].to(dtype)
         if self.is_fp8:
-            keys.mul_(self.pools[2][slot][pages].to(dtype)[..., None])
+            keys.mul_(self.index_key_scales[slot][pages].to(dtype)[..., None])
         return keys
 
     def gather_latent_rows(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows of the given flat token slots ([..., latent_dim + rope_dim] per slot) in `dtype`."""
-        rows = self.latents[layer].view(-1, self.latents.shape[-1])[slots].to(dtype)
-        if self.is_fp8:
-            rows.mul_(self.latent_scale_row(layer).to(dtype))
-        return rows
+        return self._latent_rows(layer, self.latents[layer].view(-1, self.latents.shape[-1])[slots], dtype)
 
     def tile(self, written: list[int], max_tile_bytes: int = 256 << 20) -> None:
         """Copies the `written` pages over the whole pool, in tiles of at most `max_tile_bytes` per pool: the

@@ -19,18 +19,29 @@ def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     decode_ends = [item.end for item in items if item.num_new_tokens == 1 and item.start > 0]
     chunks = ([(item.num_new_tokens, item.end) for item in items if item.num_new_tokens != 1 or item.start == 0]
               if len(decode_ends) < len(items) else [])
-    shape = {"num_decodes": len(decode_ends), "decode_context_tokens": sum(decode_ends),
-             "decode_max_context": max(decode_ends, default=0), "num_prefills": len(chunks),
+    return shape_fields(decode_ends, chunks, index_topk)
+
+
+def shape_fields(decode_contexts: list[int], chunks: list[tuple[int, int]], index_topk: int = 0) -> dict[str, int]:
+    """The `BatchShape` fields of decodes reading these contexts (their new token included) and prefill chunks
+    of (new tokens, context end)."""
+    shape = {"num_decodes": len(decode_contexts), "decode_context_tokens": sum(decode_contexts),
+             "decode_max_context": max(decode_contexts, default=0), "num_prefills": len(chunks),
              "prefill_tokens": sum(n for n, _ in chunks),
-             "prefill_pairs": sum(n * end - n * (n - 1) // 2 for n, end in chunks),
+             "prefill_pairs": sum(chunk_pairs(n, end) for n, end in chunks),
              "prefill_context_tokens": sum(end for _, end in chunks)}
     if index_topk:
         scanned = [(n, end) for n, end in chunks if end > index_topk]
-        shape.update(decode_selected_tokens=sum(min(end, index_topk) for end in decode_ends),
+        shape.update(decode_selected_tokens=sum(min(end, index_topk) for end in decode_contexts),
                      prefill_selected_pairs=sum(selected_pairs(n, end, index_topk) for n, end in chunks),
-                     prefill_indexed_pairs=sum(n * end - n * (n - 1) // 2 for n, end in scanned),
+                     prefill_indexed_pairs=sum(chunk_pairs(n, end) for n, end in scanned),
                      prefill_indexed_context_tokens=sum(end for _, end in scanned))
     return shape
+
+
+def chunk_pairs(num_tokens: int, context_end: int) -> int:
+    """Causal (new token, visible token) pairs of a chunk of `num_tokens` new tokens ending at `context_end`."""
+    return num_tokens * context_end - num_tokens * (num_tokens - 1) // 2
 
 
 def selected_pairs(num_tokens: int, context_end: int, index_topk: int) -> int:

@@ -89,7 +89,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         manager, running, scheduled = self.block_manager, self.running, out.scheduled
-        index = self._decode_prefix(budget)
+        index = self.decode_prefix(budget)
         if index and manager.append_decodes([seq.seq_id for seq in running[:index]]):
             # the oldest running sequences all decode and the pool takes them all: that part of the batch at once
             scheduled.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1) for seq in running[:index]])
@@ -123,7 +123,7 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _decode_prefix(self, budget: int) -> int:
+    def decode_prefix(self, budget: int) -> int:
         """How many of the oldest running sequences, at most `budget`, each need exactly one token (decode)."""
         count = 0
         for seq in self.running:

@@ -98,8 +98,8 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
         gather_bytes_per_sequence=traffic.gather_bytes_per_sequence,
         kernels_per_step=model.kernels_per_step(parallel.tp),
         expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1,
-        index_topk=model.attention.index_topk, indexer_bytes_per_token=indexer_bytes_per_token(kv_layout(model, plan.kv_dtype, attention_tp)),
-        indexer_flops_per_pair=model.indexer_flops_per_pair)
+        index_topk=model.attention.index_topk, indexer_flops_per_pair=model.indexer_flops_per_pair,
+        indexer_bytes_per_token=indexer_bytes_per_token(kv_layout(model, plan.kv_dtype, attention_tp)))
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,10 @@ class Costing:
     def step(self, batch: BatchShape) -> float:
         return step_time(self.costs, self.peaks, self.params, batch)
 
+    def parts(self, batch: BatchShape) -> dict[str, float]:
+        """The step's seconds by part (`planner.step_model.STEP_PARTS`)."""
+        return step_parts(step_terms(self.costs, batch), self.peaks, self.params)
+
     def single_stream_step(self, context: int) -> float:
         return self.step(BatchShape.of([context], [], self.costs.index_topk))
 
@@ -221,27 +225,23 @@ def evaluate(deployment: Deployment) -> Capacity:
         raise PlannerError(f"a context of {deployment.context} tokens is above {model.name}'s limit of "
                            f"{model.max_position_embeddings}")
     costed = costing(deployment, model)
-    hardware, plan, peaks, params, source, costs = (costed.hardware, costed.plan, costed.peaks, costed.params,
-                                                    costed.source, costed.costs)
+    hardware, plan, topk = costed.hardware, costed.plan, costed.costs.index_topk
     parallel = deployment.parallel
     per_replica = plan.max_concurrency(deployment.context) // parallel.replicas
     batch = min(per_replica, deployment.max_num_seqs)
     notes = []
     if per_replica > deployment.max_num_seqs:
         notes.append(f"the KV pool holds {per_replica} requests per replica; max_num_seqs caps the batch at {batch}")
-    topk = costs.index_topk
-    decode_step = step_time(costs, peaks, params, BatchShape.of([deployment.context] * batch, [], topk))
-    single = step_time(costs, peaks, params, BatchShape.of([deployment.context], [], topk)) if per_replica else 0.0
+    decode_step = costed.step(BatchShape.of([deployment.context] * batch, [], topk))
+    single = costed.single_stream_step(deployment.context) if per_replica else 0.0
     decode = parallel.replicas * batch / decode_step if batch else 0.0
     chunk = min(deployment.max_num_batched_tokens, plan.max_context_tokens)
-    prefill = (parallel.replicas * chunk / step_time(costs, peaks, params, BatchShape.of([], [(chunk, chunk)], topk))
-               if chunk else 0.0)
+    prefill = parallel.replicas * chunk / costed.step(BatchShape.of([], [(chunk, chunk)], topk)) if chunk else 0.0
     dollars_per_s = deployment.gpus * hardware.gpu_hour_usd / HOURS
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
     return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
-                    1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, source,
-                    lambda shape: step_time(costs, peaks, params, shape),
-                    lambda shape: step_parts(step_terms(costs, shape), peaks, params), notes,
+                    1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, costed.source,
+                    costed.step, costed.parts, notes,
                     None if per_replica else minimum_gpus(deployment, model, hardware), topk)
 
 
@@ -275,7 +275,8 @@ def sparse_attention_crossover(deployment: Deployment) -> int | None:
         return None
     dense = replace(model, attention=replace(attention, indexer_layers=0, indexer_heads=0, indexer_head_dim=0,
                                              indexer_types=(), index_topk=0))
-    sparse_step, dense_step = costing(deployment, model).single_stream_step, costing(deployment, dense).single_stream_step
+    sparse_step = costing(deployment, model).single_stream_step
+    dense_step = costing(deployment, dense).single_stream_step
     low, high = 1, model.max_position_embeddings
     if dense_step(high) <= sparse_step(high):
         return None

@@ -263,14 +263,14 @@ def _csv(text: str, convert=str) -> tuple:
 
 
 def cmd_search(args: argparse.Namespace) -> None:
-    from planner.search import (DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, cheapest_fleet, deploy_commands,
+    from planner.search import (DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, check_target_rate, cheapest_fleet,
                                 preset_workload, run_search)
     from planner.workload import LengthDistribution
     from planner.sweep import DEFAULT_CACHE, ResultCache
 
     slo = Slo.parse(args.slo)
-    if args.target_rate is not None and not (args.target_rate > 0):
-        raise PlannerError(f"--target-rate must be a positive number of requests/s, got {args.target_rate!r}")
+    if args.target_rate is not None:
+        check_target_rate(args.target_rate)
     if args.top < 0:
         raise PlannerError(f"--top must be >= 0, got {args.top!r}")
     space = SearchSpace(args.model, _csv(args.hardware), args.max_gpus,
@@ -283,14 +283,9 @@ def cmd_search(args: argparse.Namespace) -> None:
                                LengthDistribution.parse(args.output_tokens) if args.output_tokens else None)
     result = run_search(space, workload, slo, f"ray:{args.ray}" if args.ray else "local", args.workers, cache,
                         progress=not args.json)
-    rows = [r.row() for r in result.ranked]
-    front = [r.row() for r in result.pareto()]
-    deploy = [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in result.ranked[:args.top]]
     fleet = cheapest_fleet(result.ranked, args.target_rate) if args.target_rate is not None else None
-    note = None if rows else f"nothing meets these SLOs; the closest: {result.closest()}"
-    payload = {"model": args.model, "slo": slo.text(), "enumerated": result.enumerated, "pruned": len(result.pruned),
-               "simulated": result.simulated, "cached": result.cached, "met_slo": len(rows), "ranked": rows,
-               "pareto": front, "deploy": deploy, "fleet": fleet, "note": note}
+    payload = {"model": args.model, "slo": slo.text(), **result.summary(args.top), "fleet": fleet}
+    rows, note, deploy = payload["ranked"], payload["note"], payload["deploy"]
     if args.out:
         _write_search(Path(args.out), payload, result)
     if args.json:

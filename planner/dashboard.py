@@ -14,7 +14,7 @@ from planner.capacity import (Deployment, evaluate, kv_dtype_comparison, simulat
 from planner.errors import PlannerError
 from planner.memory_plan import KV_DTYPES
 from planner.models import get_model, spec_from_config
-from planner.search import SearchSpace, Slo, deploy_commands, preset_workload, run_search
+from planner.search import SearchSpace, Slo, preset_workload, run_search
 from planner.sweep import DEFAULT_CACHE, ResultCache
 from planner.simulator import Simulation
 from planner.workload import LengthDistribution, Workload
@@ -70,13 +70,9 @@ def search_view(deployment: Deployment, slo: str, hardware: list[str], max_gpus:
     space = SearchSpace(deployment.model, tuple(hardware), max_gpus, max_num_seqs=(64, 256), chunk_budgets=(2048,))
     result = run_search(space, preset_workload(workload, requests), Slo.parse(slo), executor="serial",
                         cache=ResultCache(DEFAULT_CACHE))
-    rows = [r.row() for r in result.ranked]
-    front = [r.row() for r in result.pareto()]
-    return {"rows": rows, "pareto": front, "enumerated": result.enumerated, "pruned": len(result.pruned),
-            "simulated": result.simulated,
-            "figure": plots.pareto_front(rows, front, rows[0] if rows else None),
-            "deploy": [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in result.ranked[:3]],
-            "note": None if rows else f"nothing meets these SLOs; the closest: {result.closest()}"}
+    summary = result.summary(top=3)
+    rows = summary["ranked"]
+    return {**summary, "figure": plots.pareto_front(rows, summary["pareto"], rows[0] if rows else None)}
 
 
 def integrity_overhead() -> dict[str, Any] | None:

@@ -213,8 +213,8 @@ def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: flo
     (0, None) when none tried does. From the step model's `estimate` it steps by factors of RATE_STEP up (while
     rates pass) or down (while they miss) until a pass and a miss bracket the answer, then bisects that bracket
     `bisections` times: the rate found is within (RATE_STEP - 1) / 2**bisections of the answer, relatively (6%:
-    as fine as a plan needs; 5 simulations where the step model's estimate is within 1.5x). A rate is dropped as soon as its simulation has settled a miss
-    (`settled_miss`): overloaded runs, the longest, stop early."""
+    as fine as a plan needs; 5 simulations where the step model's estimate is within 1.5x). A rate is dropped as
+    soon as its simulation has settled a miss (`settled_miss`): overloaded runs, the longest, stop early."""
     config, step, replicas = simulation_setup(deployment)        # once: only the rate changes
 
     def passes(rate: float) -> dict[str, Any] | None:
@@ -344,6 +344,15 @@ class SearchResult:
                        != (a.tokens_per_s_per_gpu, a.tokens_per_s_per_user) for b in points)
         return sorted((a for a in points if not dominated(a)), key=lambda r: r.tokens_per_s_per_gpu)
 
+    def summary(self, top: int) -> dict[str, Any]:
+        """The counts, the ranked rows, the Pareto front's rows, the deploy commands of the best `top`, and what
+        came closest when nothing met the SLOs (`planner search --json`, the dashboard)."""
+        rows = [r.row() for r in self.ranked]
+        return {"enumerated": self.enumerated, "pruned": len(self.pruned), "simulated": self.simulated,
+                "cached": self.cached, "met_slo": len(rows), "ranked": rows, "pareto": [r.row() for r in self.pareto()],
+                "deploy": [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in self.ranked[:top]],
+                "note": None if rows else f"nothing meets these SLOs; the closest: {self.closest()}"}
+
     def closest(self) -> str:
         """What comes nearest when nothing meets the SLOs."""
         if self.missed:
@@ -364,10 +373,14 @@ def rank(tasks: list[Task], results: list[dict[str, Any]]) -> tuple[list[Ranked]
     return ranked, missed
 
 
-def cheapest_fleet(ranked: list[Ranked], target_rate: float) -> dict[str, Any] | None:
-    """Replicas of one ranked configuration that sustain `target_rate` requests/s, at the lowest USD per hour."""
+def check_target_rate(target_rate: float) -> None:
     if not (target_rate > 0 and math.isfinite(target_rate)):
         raise PlannerError(f"--target-rate must be a positive number of requests/s, got {target_rate!r}")
+
+
+def cheapest_fleet(ranked: list[Ranked], target_rate: float) -> dict[str, Any] | None:
+    """Replicas of one ranked configuration that sustain `target_rate` requests/s, at the lowest USD per hour."""
+    check_target_rate(target_rate)
     fleets = [(math.ceil(target_rate / r.rate), r) for r in ranked if r.rate > 0]
     if not fleets:
         return None

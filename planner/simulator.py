@@ -167,7 +167,6 @@ class Replica:
                 sim.observe(timing)
                 sim.finished(seq.seq_id)
 
-
     def decode_window(self):
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
         none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
@@ -177,9 +176,9 @@ class Replica:
         scheduler = self.scheduler
         manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
         count = len(running)
-        budget = config.max_num_batched_tokens - count
-        if (self.steps < self._no_window_until or not count or budget < 0 or scheduler.admissible(budget) is not None
-                or any(seq.num_tokens - seq.num_computed_tokens != 1 for seq in running)):
+        if (self.steps < self._no_window_until or not count
+                or scheduler.admissible(config.max_num_batched_tokens - count) is not None
+                or scheduler.decode_prefix(config.max_num_batched_tokens) < count):     # all decode, in budget
             return 0
         window = min(min(seq.params.max_tokens - len(seq.output_token_ids), config.max_model_len - seq.num_tokens)
                      for seq in running) - 1              # the step a sequence finishes in runs the usual way
@@ -188,7 +187,7 @@ class Replica:
             return 0
         ids = [seq.seq_id for seq in running]
         free = manager.num_free_pages
-        if window >= MIN_WINDOW and manager.pages_for_more(ids, window) > free:
+        if manager.pages_for_more(ids, window) > free:
             low, high = 0, window                           # the longest window the free pages take
             while high - low > 1:
                 middle = (low + high) // 2

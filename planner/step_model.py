@@ -62,10 +62,10 @@ import bisect
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from engine.memory import ceil_div
-from engine.profile_format import expected_experts_touched, selected_pairs
+from engine.profile_format import expected_experts_touched, shape_fields
 from planner.communication import wire_bytes
 
 
@@ -165,25 +165,11 @@ class BatchShape:
     def new_tokens(self) -> int:
         return self.num_decodes + self.prefill_tokens
 
-    @staticmethod
-    def chunk_pairs(num_tokens: int, context_end: int) -> int:
-        """Causal pairs of a chunk of `num_tokens` new tokens ending at position `context_end`."""
-        return num_tokens * context_end - num_tokens * (num_tokens - 1) // 2
-
     @classmethod
     def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], index_topk: int = 0) -> BatchShape:
         """From decode context lengths and (new tokens, context end) of each prefill chunk; with sparse
         attention's `index_topk`, what its indexer scans and its attention reads too."""
-        shape = cls(len(decode_contexts), sum(decode_contexts), max(decode_contexts, default=0), len(prefill_chunks),
-                    sum(n for n, _ in prefill_chunks), sum(cls.chunk_pairs(n, end) for n, end in prefill_chunks),
-                    sum(end for _, end in prefill_chunks))
-        if not index_topk:
-            return shape
-        scanned = [(n, end) for n, end in prefill_chunks if end > index_topk]
-        return replace(shape, decode_selected_tokens=sum(min(c, index_topk) for c in decode_contexts),
-                       prefill_selected_pairs=sum(selected_pairs(n, end, index_topk) for n, end in prefill_chunks),
-                       prefill_indexed_pairs=sum(cls.chunk_pairs(n, end) for n, end in scanned),
-                       prefill_indexed_context_tokens=sum(end for _, end in scanned))
+        return cls(**shape_fields(decode_contexts, prefill_chunks, index_topk))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.profile_format import PROFILE_VERSION, REGIMES
+from engine.profile_format import PROFILE_VERSION, REGIMES, chunk_pairs
 from planner.calibration import (BOUNDS, MAX_MAPE_PCT, PARAMETER_NAMES, Points, calibrate, check_fingerprint,
                                  load_calibration, load_profile, predict, profile_costs, profile_peaks, samples_hash)
 from planner.errors import PlannerError
@@ -96,7 +96,7 @@ def test_moe_and_mla_step_terms():
     decode, prefill = step_terms(costs, BatchShape.of([50], [])), step_terms(costs, BatchShape.of([], [(100, 300)]))
     assert decode.attention_flops == pytest.approx(MOE_MODEL["attention_flops_per_pair"] * 50)
     assert prefill.attention_flops == pytest.approx(MOE_MODEL["prefill_attention_flops_per_pair"]
-                                                    * BatchShape.chunk_pairs(100, 300))
+                                                    * chunk_pairs(100, 300))
     assert prefill.linear_flops == pytest.approx(MOE_MODEL["linear_flops_per_token"] * 100 + costs.head_flops_per_sequence
                                                  + MOE_MODEL["prefill_context_flops_per_token"] * 200)
     assert decode.expert_calls == pytest.approx(8) and prefill.expert_calls == pytest.approx(costs.experts_touched(100))

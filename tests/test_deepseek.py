@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
+from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,12 +22,7 @@ TINY_DEEPSEEK = dict(
     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 PROMPT_LENGTHS = (5, 17, 40, 3, 29, 11, 52, 8, 23, 36, 14, 45, 6, 31, 19, 27)
-MAX_TOKENS = 8
 FP8_LOGIT_ERROR = 0.12       # median, FP8 against BF16 latent pages (measured 0.074)
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours - reference).norm() / reference.norm())
 
 
 @pytest.fixture(scope="module")
@@ -36,32 +32,7 @@ def deepseek(tmp_path_factory):
     and every head changes the logits."""
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_DEEPSEEK)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.15)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
-    folder = tmp_path_factory.mktemp("deepseek")
-    model.save_pretrained(folder)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, TINY_DEEPSEEK["vocab_size"], (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    return folder, model, prompts, expected
-
-
-def engine(folder, **overrides):
-    from engine.llm import LLM
-
-    return LLM(**{"model": str(folder), "kv_dtype": "fp32", "page_size": 8, "num_pages": 128, **overrides})
-
-
-def greedy(llm, prompts):
-    from engine.sequence import SamplingParams
-
-    return [out.token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    return saved_reference(model, tmp_path_factory.mktemp("deepseek"), TINY_DEEPSEEK["vocab_size"], PROMPT_LENGTHS)
 
 
 def test_logits_and_greedy_tokens_match_transformers(deepseek):

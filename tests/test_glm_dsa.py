@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
+from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,12 +22,7 @@ TINY_GLM = dict(
     qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=512, routed_scaling_factor=2.5, index_topk=8,
     index_head_dim=16, index_n_heads=8, indexer_types=INDEXER_TYPES)
 PROMPT_LENGTHS = (21, 40, 9, 33, 57, 16, 28, 45, 12, 50, 24, 37)
-MAX_TOKENS = 8
 GLM = "planner/data/model-configs/glm-5.2.json"
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours - reference).norm() / reference.norm())
 
 
 @pytest.fixture(scope="module")
@@ -35,32 +31,7 @@ def glm(tmp_path_factory):
     two full indexer layers and three shared ones, a dense first layer and a non-zero correction bias."""
     torch.manual_seed(0)
     model = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**TINY_GLM)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.15)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
-    folder = tmp_path_factory.mktemp("glm")
-    model.save_pretrained(folder)
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, TINY_GLM["vocab_size"], (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    return folder, model, prompts, expected
-
-
-def engine(folder, **overrides):
-    from engine.llm import LLM
-
-    return LLM(**{"model": str(folder), "kv_dtype": "fp32", "page_size": 8, "num_pages": 128, **overrides})
-
-
-def greedy(llm, prompts):
-    from engine.sequence import SamplingParams
-
-    return [out.token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    return saved_reference(model, tmp_path_factory.mktemp("glm"), TINY_GLM["vocab_size"], PROMPT_LENGTHS)
 
 
 def test_logits_and_greedy_tokens_match_transformers(glm):
@@ -144,7 +115,9 @@ def selection_overlap(ours: list[torch.Tensor], reference: list[torch.Tensor]) -
     shares = []
     for a, b in zip(ours, reference):
         if b is not None:
-            shares += [len(set(x.tolist()) & set(y.tolist()) - {-1}) / len(set(y.tolist()) - {-1}) for x, y in zip(a, b)]
+            for ours_row, reference_row in zip(a, b):
+                reference_set = set(reference_row.tolist()) - {-1}
+                shares.append(len(set(ours_row.tolist()) & reference_set) / len(reference_set))
     return sum(shares) / len(shares)
 
 
@@ -165,10 +138,10 @@ def test_fp8_caches_select_nearly_the_same_tokens_and_fault_checks_cover_the_ind
     assert selection_overlap(prefill_selections(engine(folder, kv_dtype="bf16"), prompts[:6]), reference) > 0.97
     assert selection_overlap(prefill_selections(fp8, prompts[:6]), reference) > 0.9
     cache, checker = fp8.kv_cache, fp8.integrity
-    assert len(cache.pools) == 3 and cache.pools[2].dtype == torch.float32
+    assert len(cache.pools) == 3 and cache.index_key_scales.dtype == torch.float32
     all_pages = torch.arange(cache.num_pages)
     before = page_checksums(cache, all_pages, checker.weights)
-    for pool, page in ((cache.index_keys, 5), (cache.pools[2], 9)):
+    for pool, page in ((cache.index_keys, 5), (cache.index_key_scales, 9)):
         flat = pool.view(torch.uint8)[1, page].view(-1)
         flat[3] ^= 1 << 2
         assert (page_checksums(cache, all_pages, checker.weights) != before).nonzero().flatten().tolist() == [page]

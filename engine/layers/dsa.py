@@ -19,7 +19,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, Selection
 from engine.kernel_backend import use_triton
 from engine.kv_cache import PagedKVCache
 from engine.layers.linear import Linear
-from engine.layers.mla import MLAttention
+from engine.layers.mla import MIN_DOT, MLAttention
 from engine.layers.rotary import rotate_interleaved
 from engine.spec import ModelSpec
 
@@ -77,11 +77,12 @@ class Indexer(nn.Module):
     def _decode_selection(self, queries: torch.Tensor, head_weights: torch.Tensor, kv_cache: PagedKVCache,
                           meta: AttentionMetadata) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        if use_triton(queries) and kv_cache.page_size >= 16:
+        if use_triton(queries) and kv_cache.page_size >= MIN_DOT:
             from kernels.indexer_scores import paged_indexer_scores
 
             scores = paged_indexer_scores(queries, head_weights, kv_cache.index_keys[self.slot], tables, lens,
-                                          self.scale, kv_cache.pools[2][self.slot] if kv_cache.is_fp8 else None)
+                                          self.scale, None if kv_cache.index_key_scales is None
+                                          else kv_cache.index_key_scales[self.slot])
         else:
             keys = kv_cache.gather_index_keys(self.slot, tables, torch.float32).flatten(1, 2)      # [n, L, dim]
             scores = weighted_relu_scores(queries, head_weights, keys, self.scale)
