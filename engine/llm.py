@@ -182,12 +182,17 @@ class LLM:
             raise RequestError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of "
                                f"{self.capacity_tokens} tokens")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Validates and queues a request; a bad one raises RequestError and changes nothing."""
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        """A validated request, not queued yet: a server validates in its handler and queues between steps.
+        A bad one raises RequestError."""
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
         self._validate(token_ids, params.max_tokens)
-        seq = Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter())
+        return Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter())
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Validates and queues a request; a bad one raises RequestError and changes nothing."""
+        seq = self.new_sequence(prompt, params)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -253,7 +258,7 @@ class LLM:
             if seq is not None:
                 aborted.append(self._finish(seq))
         self.integrity.take_violations()      # the aborted tables' own bad entries again, reported above
-        output.scheduled = [item for item in output.scheduled if not item.seq.is_finished]
+        output.drop_finished()
         return aborted
 
     def _finish(self, seq: Sequence) -> RequestOutput:

@@ -15,10 +15,10 @@ REGIMES = ("prefill", "decode", "mixed")
 def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     """A step's batch as counts and sums: the fields of `planner.step_model.BatchShape`. With sparse attention
     (`index_topk` > 0) also what its indexer scans and its attention reads (`selected_pairs`)."""
-    items = output.scheduled            # the simulator calls this every step: comprehensions, not a loop body
-    decode_ends = [item.end for item in items if item.num_new_tokens == 1 and item.start > 0]
-    chunks = ([(item.num_new_tokens, item.end) for item in items if item.num_new_tokens != 1 or item.start == 0]
-              if len(decode_ends) < len(items) else [])
+    items = output.chunks               # the simulator calls this every step: comprehensions, not a loop body
+    decode_ends = [start + 1 for start in output.decode_starts]
+    decode_ends += [item.end for item in items if item.num_new_tokens == 1 and item.start > 0]
+    chunks = [(item.num_new_tokens, item.end) for item in items if item.num_new_tokens != 1 or item.start == 0]
     return shape_fields(decode_ends, chunks, index_topk)
 
 

@@ -16,8 +16,6 @@ Prefill chunks and decodes share one step.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -26,17 +24,18 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSequence:
     """A sequence in this step: it computes tokens [start, start + num_new_tokens).
 
-    A plain slotted class, not a dataclass: hundreds are made per step, by the simulator too.
+    A plain slotted class, not a dataclass: hundreds are made per step.
     """
 
     __slots__ = ("seq", "start", "num_new_tokens", "end", "samples")
 
-    def __init__(self, seq: Sequence, start: int, num_new_tokens: int) -> None:
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool | None = None) -> None:
         self.seq = seq
         self.start = start
         self.num_new_tokens = num_new_tokens
         self.end = start + num_new_tokens
-        self.samples = self.end == seq.num_tokens   # the step reaches the last known token: one is sampled
+        # the step reaches the last known token: one is sampled (known at schedule time, told when made later)
+        self.samples = self.end == seq.num_tokens if samples is None else samples
 
     def __repr__(self) -> str:
         return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens})"
@@ -46,18 +45,42 @@ class ScheduledSequence:
         return self.num_new_tokens == 1 and self.start > 0
 
 
-@dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    """A step's batch, in two parts. `decodes`: the oldest running sequences, each computing its one next token
+    (at `decode_starts`), kept as bare sequences because the simulator reads every step's batch and a step can
+    hold hundreds of them; `chunks`: the rest, as items (prefill chunks, decodes scheduled one at a time).
+    `scheduled` is the whole batch as items, decodes first, made when first asked for."""
+
+    __slots__ = ("decodes", "decode_starts", "chunks", "preempted", "_scheduled")
+
+    def __init__(self) -> None:
+        self.decodes: list[Sequence] = []
+        self.decode_starts: list[int] = []
+        self.chunks: list[ScheduledSequence] = []
+        self.preempted: list[Sequence] = []
+        self._scheduled: list[ScheduledSequence] | None = None
+
+    @property
+    def scheduled(self) -> list[ScheduledSequence]:
+        if self._scheduled is None:
+            self._scheduled = [ScheduledSequence(seq, start, 1, True)
+                               for seq, start in zip(self.decodes, self.decode_starts)] + self.chunks
+        return self._scheduled
+
+    def drop_finished(self) -> None:
+        """Takes the sequences finished since scheduling (aborted) out of the batch."""
+        kept = [(seq, start) for seq, start in zip(self.decodes, self.decode_starts) if not seq.is_finished]
+        self.decodes, self.decode_starts = [seq for seq, _ in kept], [start for _, start in kept]
+        self.chunks = [item for item in self.chunks if not item.seq.is_finished]
+        self._scheduled = None
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return len(self.decodes) + sum(item.num_new_tokens for item in self.chunks)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.decodes and not self.chunks
 
 
 class Scheduler:
@@ -88,11 +111,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        manager, running, scheduled = self.block_manager, self.running, out.scheduled
+        manager, running, chunks = self.block_manager, self.running, out.chunks
         index = self.decode_prefix(budget)
         if index and manager.append_decodes([seq.seq_id for seq in running[:index]]):
             # the oldest running sequences all decode and the pool takes them all: that part of the batch at once
-            scheduled.extend([ScheduledSequence(seq, seq.num_computed_tokens, 1) for seq in running[:index]])
+            out.decodes = running[:index]
+            out.decode_starts = [seq.num_computed_tokens for seq in out.decodes]
             budget -= index
         else:
             index = 0
@@ -107,7 +131,7 @@ class Scheduler:
                     break
             else:
                 manager.append(seq.seq_id, num_new)
-                scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
                 index += 1
 
@@ -119,7 +143,7 @@ class Scheduler:
             self.block_manager.allocate(seq.seq_id, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         return out
 
@@ -157,9 +181,15 @@ class Scheduler:
         one, as the simulator samples, where lengths alone end requests). Returns the finished."""
         finished = []
         max_model_len, done = self.config.max_model_len, SequenceStatus.FINISHED
-        for item in output.scheduled:
-            seq = item.seq
+        for seq in output.decodes:
             if seq.status is done:       # aborted between schedule and update
+                continue
+            seq.num_computed_tokens += 1
+            if seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
+                finished.append(seq)
+        for item in output.chunks:
+            seq = item.seq
+            if seq.status is done:
                 continue
             seq.num_computed_tokens = item.end
             if item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):

@@ -150,12 +150,13 @@ class Replica:
             sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
                           len(scheduler.running))
             now = env.now
-            for item in output.scheduled:
-                if item.samples:
-                    timing = timings[item.seq.seq_id]
-                    if timing.first_token_s is None:
-                        timing.first_token_s = now
-                        sim.observe(timing)
+            # a decode samples its request's first token only when the prompt's last chunk left one token
+            first_tokens = [seq for seq in output.decodes if not seq.output_token_ids]
+            for seq in first_tokens + [item.seq for item in output.chunks if item.samples]:
+                timing = timings[seq.seq_id]
+                if timing.first_token_s is None:
+                    timing.first_token_s = now
+                    sim.observe(timing)
             for seq in scheduler.update(output, None):
                 timing = timings[seq.seq_id]
                 if timing.finish_s is not None:
@@ -178,11 +179,13 @@ class Replica:
         count = len(running)
         if (self.steps < self._no_window_until or not count
                 or scheduler.admissible(config.max_num_batched_tokens - count) is not None
+                or running[-1].num_uncomputed_tokens != 1       # the newest, the likeliest to be in prefill
                 or scheduler.decode_prefix(config.max_num_batched_tokens) < count):     # all decode, in budget
             return 0
-        window = min(min(seq.params.max_tokens - len(seq.output_token_ids), config.max_model_len - seq.num_tokens)
-                     for seq in running) - 1              # the step a sequence finishes in runs the usual way
-        if window < MIN_WINDOW:                             # and none is long enough until that one has finished
+        # the step a sequence finishes in runs the usual way, and none is long enough until that one has finished
+        window = min(min(seq.params.max_tokens - len(seq.output_token_ids) for seq in running),
+                     config.max_model_len - max(seq.num_tokens for seq in running)) - 1
+        if window < MIN_WINDOW:
             self._no_window_until = self.steps + window + 1
             return 0
         ids = [seq.seq_id for seq in running]

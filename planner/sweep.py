@@ -54,8 +54,8 @@ def check_executor(executor: str) -> None:
 
 def run_tasks(tasks: list[Any], run: Callable[[Any], dict[str, Any]], executor: str = "local",
               workers: int | None = None, cache: ResultCache | None = None,
-              progress: bool = False) -> tuple[list[dict[str, Any]], int]:
-    """`run(task)` for every task (each must have `key()`), in order; and how many came from the cache."""
+              progress: bool = False) -> tuple[list[dict[str, Any]], list[bool]]:
+    """`run(task)` for every task (each must have `key()`), in order; and whether each came from the cache."""
     check_executor(executor)
     results: list[dict[str, Any] | None] = [None] * len(tasks)
     todo = []
@@ -86,7 +86,8 @@ def run_tasks(tasks: list[Any], run: Callable[[Any], dict[str, Any]], executor: 
         _run_on_ray(tasks, todo, run, executor.removeprefix("ray:"), workers, done)
     if bar:
         bar.close()
-    return results, len(tasks) - len(todo)
+    waiting = set(todo)
+    return results, [index not in waiting for index in range(len(tasks))]
 
 
 def _run_on_ray(tasks: list[Any], todo: list[int], run: Callable[[Any], dict[str, Any]], address: str,
