@@ -144,6 +144,10 @@ def show_search(deployment: Deployment) -> None:
 
 
 def show_verify() -> None:
+    source = st.radio("Verify", ("Saved reports", "A live endpoint"), horizontal=True)
+    if source == "A live endpoint":
+        show_live_verification()
+        return
     reports = dashboard.verification_reports()
     if not reports:
         st.info("No verification report yet: run `planner verify --profile ... --out-dir bench/results` "
@@ -166,6 +170,33 @@ def show_verify() -> None:
     from planner.plots import predicted_vs_measured
 
     st.plotly_chart(predicted_vs_measured(result), key="verify-figure")
+
+
+def show_live_verification() -> None:
+    """A workload against a running OpenAI-compatible server (ours, vLLM, SGLang) and through the simulator
+    calibrated on it (`planner calibrate --endpoint`)."""
+    url = st.text_input("Endpoint", "http://127.0.0.1:8000")
+    calibration = st.text_input("Its calibration (planner calibrate --endpoint ... --out FILE)", "")
+    rate_column, requests_column, prompt_column, output_column = st.columns(4)
+    rate = rate_column.number_input("Requests/s", min_value=0.01, value=1.0)
+    requests = int(requests_column.number_input("Requests", min_value=1, value=20, step=1))
+    prompt = int(prompt_column.number_input("Prompt tokens", min_value=1, value=128, step=16))
+    output = int(output_column.number_input("Output tokens", min_value=1, value=32, step=8))
+    if not st.button("Run the workload against the endpoint"):
+        return
+    if not calibration.strip():
+        st.error("Give the endpoint's calibration: make one with `planner calibrate --endpoint URL --model M "
+                 "--hardware H --out FILE`")
+        return
+    from planner.endpoint import verify_endpoint
+    from planner.plots import predicted_vs_measured
+
+    workload = Workload("poisson", requests, rate=rate, prompt=LengthDistribution("fixed", prompt),
+                        output=LengthDistribution("fixed", output))
+    with st.spinner(f"{requests} requests against {url}"):
+        result = verify_endpoint(url, calibration.strip(), workload)
+    st.dataframe(dashboard.verification_tables(result)["metrics"])
+    st.plotly_chart(predicted_vs_measured(result), key="live-verify-figure")
 
 
 st.sidebar.title("kvplan")

@@ -1,4 +1,4 @@
-"""`engine` command line: generate and info. Thin: the work is done by `engine.llm` and `engine.memory`."""
+"""`engine` command line: generate, info, eval, profile and serve. Thin: the work is done in the engine's modules."""
 from __future__ import annotations
 
 import argparse
@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--max-kv-tokens", type=int, default=None,
                          help="leave out decode and mixed points reading more cached tokens than this")
     profile.add_argument("--seed", type=int, default=0)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    _engine_options(serve)
+    serve.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="largest running batch")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunks)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    serve.add_argument("--integrity", choices=INTEGRITY_MODES, default="ownership", help="KV-cache integrity checks")
+    serve.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -186,10 +198,23 @@ def cmd_profile(args: argparse.Namespace) -> None:
     _emit(summary, args.json, f"{len(profile['samples'])} points written to {out}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from engine.llm import LLM
+    from engine.server import ServerConfig, serve
+
+    config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting)
+    with LLM(engine_config(args, device=args.device, integrity=args.integrity, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)) as llm:
+        print(f"engine: serving {config.model_name!r} on http://{config.host}:{config.port} "
+              f"({llm.capacity_tokens} KV token slots)", file=sys.stderr, flush=True)
+        serve(llm, config)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval, "profile": cmd_profile}[args.command](args)
+        {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval, "profile": cmd_profile,
+         "serve": cmd_serve}[args.command](args)
     except EngineError as error:
         print(f"engine: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -367,7 +367,10 @@ def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtyp
     fingerprint = calibration.fingerprint
     if fingerprint.get("hardware") != hardware.key:
         raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
-    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
-    calibration.check_matches(engine_version=engine_version(), weights=weights, kv_dtype=kv_dtype)
+    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape (one
+    # made against a running server, `planner.endpoint`, describes that server's kernels, whatever engine it is)
+    from_endpoint = str(fingerprint.get("engine_version", "")).startswith("endpoint:")
+    calibration.check_matches(engine_version=None if from_endpoint else engine_version(), weights=weights,
+                              kv_dtype=kv_dtype)
     peaks = calibration.peaks if hardware.calibrated else None
     return calibration.parameters, peaks, f"calibration {Path(path).name}"

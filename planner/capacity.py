@@ -210,13 +210,28 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     if measured is not None:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
     hardware = hardware.with_price(deployment.gpu_hour_usd)
-    plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
-                       deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
-                       max_seqs=deployment.max_num_seqs)
+    plan = _memory_plan(deployment, model, hardware)
     measured_link = measured.link_bytes_per_s if measured is not None else None
     link = None if parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
     peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
     return Costing(hardware, plan, peaks, params, source, model_costs(model, plan))
+
+
+def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPlan]:
+    """The deployment's per-GPU step costs and its hardware's catalogued peaks, before any step parameters: what
+    a black-box calibration (`planner.endpoint`) fits the efficiencies against."""
+    model, hardware = get_model(deployment.model), get_hardware(deployment.hardware)
+    weight_scheme(model, deployment.weights, deployment.group_size)
+    plan = _memory_plan(deployment, model, hardware)
+    link = None if deployment.parallel.tp == 1 else hardware.link_bytes_per_s
+    return model_costs(model, plan), Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights),
+                                           link), plan
+
+
+def _memory_plan(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> MemoryPlan:
+    return plan_memory(model, hardware, deployment.parallel, deployment.weights, deployment.kv_dtype,
+                       deployment.group_size, deployment.utilization,
+                       max_batched_tokens=deployment.max_num_batched_tokens, max_seqs=deployment.max_num_seqs)
 
 
 def evaluate(deployment: Deployment) -> Capacity:

@@ -5,10 +5,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cli import EXIT_BAD_INPUT, OneLineParser
 from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from planner.workload import Workload
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -19,13 +22,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="planner", description="Capacity planning for LLM serving, calibrated on a real engine.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile")
-    calibrate.add_argument("profile", help="a profile written by `engine profile`")
+    calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile or a live server")
+    calibrate.add_argument("profile", nargs="?", help="a profile written by `engine profile`")
     calibrate.add_argument("other_depths", nargs="*", metavar="profile_at_other_depth",
                            help="profiles of the same setup at other --num-layers: the cost per kernel is fitted too")
     calibrate.add_argument("--out", required=True, help="where to write the calibration JSON")
     calibrate.add_argument("--max-mape", type=float, default=None,
                            help="refuse a fit whose error in any regime is above this percentage (default 15)")
+    calibrate.add_argument("--endpoint", default=None,
+                           help="an OpenAI-compatible server (kvplan, vLLM, SGLang) to time from the outside")
+    calibrate.add_argument("--model", default=None, help="--endpoint: the model it serves (a preset or config.json)")
+    calibrate.add_argument("--hardware", default=None, help="--endpoint: the GPU kind it runs on")
+    calibrate.add_argument("--gpus", type=int, default=1, help="--endpoint: GPUs of one replica")
+    calibrate.add_argument("--tp", type=int, default=None, help="--endpoint: tensor parallelism (default: all GPUs)")
+    calibrate.add_argument("--expert-parallel", action="store_true", help="--endpoint: experts spread over the GPUs")
+    calibrate.add_argument("--weights", default="bf16", help="--endpoint: the weights it serves, as the planner names them")
+    calibrate.add_argument("--kv", default="bf16", help="--endpoint: its KV dtype")
+    calibrate.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
+    calibrate.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="--endpoint: prompts timed alone")
+    calibrate.add_argument("--batches", type=int, nargs="+", default=None, help="--endpoint: decode batches timed")
+    calibrate.add_argument("--repeats", type=int, default=None, help="--endpoint: timings per prefill or mixed point")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     plan = commands.add_parser("plan", help="memory, capacity, throughput and cost of one deployment")
@@ -73,12 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--out", default=None, help="folder for ranked.csv, pareto.csv, pareto.html, search.json")
     search.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
-    verify = commands.add_parser("verify", help="run a workload through the engine here and the simulator; errors")
-    verify.add_argument("--profile", required=True, help="a CPU profile written by `engine profile`")
+    verify = commands.add_parser("verify", help="a workload through the engine here (or a live server) and the "
+                                                "simulator; the error per metric")
+    verify.add_argument("--profile", default=None, help="a CPU profile written by `engine profile`")
+    verify.add_argument("--endpoint", default=None, help="a live OpenAI-compatible server instead of the engine here")
+    verify.add_argument("--calibration", default=None, help="--endpoint: its calibration (planner calibrate --endpoint)")
+    verify.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
     _workload_options(verify, requests=30)
-    verify.add_argument("--kv-cache-gib", type=float, default=0.25, help="the engine's KV pool (GiB)")
-    verify.add_argument("--max-num-seqs", type=int, default=256)
-    verify.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    verify.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="the engine's KV pool in GiB (default 0.25; with --endpoint: the server's, if it was given one)")
+    verify.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--endpoint: what /metrics says)")
+    verify.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default 2048 (--endpoint: what /metrics says)")
+    verify.add_argument("--max-model-len", type=int, default=None, help="--endpoint: if /metrics does not say")
+    verify.add_argument("--page-size", type=int, default=None, help="--endpoint: if /metrics does not say")
+    verify.add_argument("--capacity-tokens", type=int, default=None, help="--endpoint: if /metrics does not say")
     verify.add_argument("--out-dir", default=None, help="where to write report.md and figure.html")
     verify.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
@@ -103,22 +128,46 @@ def cmd_verify(args: argparse.Namespace) -> None:
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, prompt=LengthDistribution.parse(args.prompt_tokens),
                         output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
-    if not args.kv_cache_gib > 0:
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
         raise PlannerError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib!r}")
-    result = verify(args.profile, workload, args.kv_cache_gib, args.max_num_seqs, args.max_num_batched_tokens)
+    if (args.profile is None) == (args.endpoint is None):
+        raise PlannerError("give --profile (the engine here) or --endpoint (a live server), one of them")
+    if args.endpoint is not None:
+        _verify_endpoint(args, workload)
+        return
+    result = verify(args.profile, workload, args.kv_cache_gib or 0.25, args.max_num_seqs or 256,
+                    args.max_num_batched_tokens or 2048)
     report = markdown_report(result)
     if args.out_dir:
-        from planner.plots import predicted_vs_measured
-
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.md").write_text(report)
-        (out / "verification.json").write_text(json.dumps(result, indent=1) + "\n")
-        predicted_vs_measured(result).write_html(out / "figure.html", include_plotlyjs="cdn")
+        _write_verification(Path(args.out_dir), report, result)
     if args.json:
         print(json.dumps({key: result[key] for key in ("metrics", "workload", "fingerprint", "replay", "machine")}))
     else:
         print(report)
+
+
+def _write_verification(out: Path, report: str, result: dict[str, Any]) -> None:
+    from planner.plots import predicted_vs_measured
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(report)
+    (out / "verification.json").write_text(json.dumps(result, indent=1) + "\n")
+    predicted_vs_measured(result).write_html(out / "figure.html", include_plotlyjs="cdn")
+
+
+def _verify_endpoint(args: argparse.Namespace, workload: Workload) -> None:
+    from planner.endpoint import endpoint_report, verify_endpoint
+
+    if args.calibration is None:
+        raise PlannerError("--endpoint needs --calibration: make one with `planner calibrate --endpoint`")
+    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_model_len": args.max_model_len, "page_size": args.page_size, "capacity_tokens": args.capacity_tokens}
+    result = verify_endpoint(args.endpoint, args.calibration, workload, args.kv_cache_gib, limits,
+                             args.served_model_name)
+    report = endpoint_report(result)
+    if args.out_dir:
+        _write_verification(Path(args.out_dir), report, result)
+    print(json.dumps(result) if args.json else report)
 
 
 def _deployment_options(parser: argparse.ArgumentParser) -> None:
@@ -222,12 +271,36 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise PlannerError(f"the folder of --out {str(out)!r} does not exist")
-    calibration = calibrate(load_profile(args.profile), max_mape, [load_profile(path) for path in args.other_depths])
+    if (args.profile is None) == (args.endpoint is None):
+        raise PlannerError("give a profile or --endpoint URL, one of them")
+    if args.endpoint is not None:
+        calibration = _calibrate_endpoint(args, max_mape)
+    else:
+        calibration = calibrate(load_profile(args.profile), max_mape,
+                                [load_profile(path) for path in args.other_depths])
     out.write_text(json.dumps(calibration, indent=1) + "\n")
     keys = ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct", "holdout_mape_pct", "parameters")
     payload = {key: calibration.get(key) for key in keys}
     text = "\n".join(f"{key:18s} {value}" for key, value in payload.items())
     _emit(payload, args.json, text)
+
+
+def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from planner.capacity import Deployment
+    from planner.endpoint import EndpointSweep, calibrate_endpoint
+
+    if args.model is None or args.hardware is None:
+        raise PlannerError("--endpoint needs --model and --hardware: what the server runs, as the planner knows it")
+    sweep = EndpointSweep()
+    for name, value in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.batches),
+                        ("repeats", args.repeats)):
+        if value is not None:
+            sweep = replace(sweep, **{name: tuple(value) if isinstance(value, list) else value})
+    deployment = Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=args.weights,
+                            kv_dtype=args.kv, tensor_parallel=args.tp, expert_parallel=args.expert_parallel)
+    return calibrate_endpoint(args.endpoint, deployment, sweep, max_mape, args.served_model_name)
 
 
 SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",

@@ -55,7 +55,7 @@ def error_pct(predicted: float | None, measured: float | None) -> float | None:
     return round(100 * (predicted - measured) / measured, 3)
 
 
-def _metric(predicted: float | None, measured: float | None) -> dict[str, float | None]:
+def compared(predicted: float | None, measured: float | None) -> dict[str, float | None]:
     return {"predicted": predicted, "measured": measured, "error_pct": error_pct(predicted, measured)}
 
 
@@ -288,13 +288,13 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     corrected = Simulation(config, drifted)
     corrected_report = corrected.run(list(specs)).report()
     metrics = {
-        "kv_capacity_tokens": _metric(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
+        "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
                                       llm.capacity_tokens),
-        "peak_concurrency": _metric(predicted["max_concurrency_reached"], max(s.running for s in served.steps)),
-        "preemptions": _metric(predicted["preemptions"], served.preemptions),
-        **{name: _metric(predicted[name], measured[name]) for name in TIMING_METRICS},
+        "peak_concurrency": compared(predicted["max_concurrency_reached"], max(s.running for s in served.steps)),
+        "preemptions": compared(predicted["preemptions"], served.preemptions),
+        **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},
     }
-    replay = {"preemptions": _metric(replayed.preemptions, served.preemptions),
+    replay = {"preemptions": compared(replayed.preemptions, served.preemptions),
               "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
               "steps": len(served.steps),
               "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps]),
@@ -302,9 +302,9 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
                   [(kind, speed * seconds) for (kind, seconds), speed in zip(modelled, speeds)],
                   [s.duration_s for s in served.steps])}
     machine = {**probes.report(speeds), "cpu_steal_pct": steal,
-               "metrics_drift_corrected": {name: _metric(corrected_report[name], measured[name])
+               "metrics_drift_corrected": {name: compared(corrected_report[name], measured[name])
                                            for name in TIMING_METRICS}}
-    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": _workload_dict(workload),
+    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
             "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
             "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
                        "max_num_batched_tokens": max_num_batched_tokens, "capacity_tokens": llm.capacity_tokens}}
@@ -365,18 +365,24 @@ def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) 
     return out
 
 
-def _workload_dict(workload: Workload) -> dict[str, Any]:
+def workload_dict(workload: Workload) -> dict[str, Any]:
     out = asdict(workload)
     for key in ("prompt", "output"):
         out[key] = {k: v for k, v in out[key].items() if v not in ((), None)}
     return out
 
 
-def markdown_report(result: dict[str, Any]) -> str:
+def metrics_table(metrics: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows: each metric predicted, measured and the error."""
     rows = ["| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
-    for name, metric in result["metrics"].items():
+    for name, metric in metrics.items():
         error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"
         rows.append(f"| {name} | {_fmt(metric['predicted'])} | {_fmt(metric['measured'])} | {error} |")
+    return rows
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    rows = metrics_table(result["metrics"])
     fp = result["fingerprint"]
     replay = result["replay"]
     return "\n".join([
@@ -405,10 +411,7 @@ def _drift_section(machine: dict[str, Any]) -> str:
                if machine.get("cpu_steal_pct") is not None else "")
             + ". With each predicted step time scaled by the probes nearest to it, as the probe most like it ran ("
             + "{:+.1f}%..{:+.1f}%)".format(*machine["local_slowdown_pct"]) + ":", "",
-            "| metric | predicted | measured | error |", "| --- | ---: | ---: | ---: |"]
-    for name, metric in machine["metrics_drift_corrected"].items():
-        error = "-" if metric["error_pct"] is None else f"{metric['error_pct']:+.1f}%"
-        rows.append(f"| {name} | {_fmt(metric['predicted'])} | {_fmt(metric['measured'])} | {error} |")
+            *metrics_table(machine["metrics_drift_corrected"])]
     return "\n".join(rows)
 
 

@@ -101,3 +101,16 @@ def test_search_page_ranks_configurations_and_gives_deploy_commands():
     assert any(block.value.startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct") for block in app.code)
     app.number_input[1].set_value(0.001).run()                     # TPOT p99 of 1 ms
     assert not app.exception and any("nothing meets these SLOs" in w.value for w in app.warning)
+
+
+def test_verify_page_points_at_a_live_endpoint():
+    """The endpoint form: a run without a calibration, or with one that does not exist, is refused in one line."""
+    app = fresh()
+    app.sidebar.radio[0].set_value("Verify").run()
+    next(radio for radio in app.radio if radio.label == "Verify").set_value("A live endpoint").run()
+    assert not app.exception and len(app.text_input) == 2
+    app.button[0].click().run()
+    assert app.error and "calibrate --endpoint" in app.error[0].value
+    app.text_input[1].set_value("/nonexistent/endpoint.calibration.json").run()
+    app.button[0].click().run()
+    assert not app.exception and app.error and "/nonexistent/endpoint.calibration.json" in app.error[0].value

@@ -1,0 +1,127 @@
+"""The OpenAI API's request and response shapes, as the server accepts and writes them.
+
+Requests are validated by pydantic with unknown fields forbidden: a misspelt parameter is a 400, never silently
+ignored. `ignore_eos` and `top_k` are the extensions vLLM and SGLang accept too (the planner's load generator
+needs `ignore_eos` to control output lengths).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: Literal[1] = 1
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and (len(stops) > MAX_STOP_STRINGS or any(not s for s in stops)):
+            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {value!r}")
+        return stops
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request, got {len(value)}")
+            return value[0]
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseWriter:
+    """The response objects of one request, completion or chat, whole or as stream chunks."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
+                                                       "finish_reason": finish_reason}])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
+                {} if text is None else {"content": text})
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta,
+                                                              "finish_reason": finish_reason}])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                   "finish_reason": finish_reason}])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body

@@ -1,0 +1,108 @@
+"""Black-box calibration and verification against a live `engine serve` (a subprocess on 127.0.0.1), through the
+planner's CLI, as an operator would run them against vLLM or SGLang."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import REPO
+
+KV_GIB = "0.25"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """`engine serve` on one thread (a step that waits for two threads on a 2-core machine is at the mercy of the
+    client beside it), fp32 weights and a bf16 KV pool of 0.25 GiB."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", "smollm2-135m", "--device", "cpu",
+                               "--threads", "1", "--kv-dtype", "bf16", "--memory-gib", KV_GIB, "--port", str(port)],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, "engine serve did not come up"
+            time.sleep(0.2)
+    yield url
+    server.terminate()
+    server.wait(30)
+
+
+def test_calibrate_then_verify_against_the_live_server(endpoint, tmp_path):
+    calibration = tmp_path / "endpoint.calibration.json"
+    fitted = planner("calibrate", "--endpoint", endpoint, "--model", "smollm2-135m", "--hardware", "cpu",
+                     "--weights", "bf16", "--kv", "bf16", "--prefill-tokens", "16", "32", "64", "128", "192",
+                     "--batches", "1", "2", "4", "6", "8", "--repeats", "2", "--out", str(calibration), "--json")
+    assert fitted.returncode == 0, fitted.stderr
+    report = json.loads(fitted.stdout)
+    assert all(report[key] <= 15 for key in ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct"))
+    document = json.loads(calibration.read_text())
+    assert document["fingerprint"]["engine_version"] == "endpoint:kvplan"
+    assert {sample["kind"] for sample in document["samples"]} == {"prefill", "decode", "mixed"}
+
+    verified = planner("verify", "--endpoint", endpoint, "--calibration", str(calibration), "--rate", "1.0",
+                       "--requests", "12", "--prompt-tokens", "uniform:32:96", "--output-tokens", "16",
+                       "--kv-cache-gib", KV_GIB, "--json")
+    assert verified.returncode == 0, verified.stderr
+    result = json.loads(verified.stdout)
+    metrics = result["metrics"]
+    assert result["completed"] == 12 and result["server"]["kind"] == "kvplan"
+    assert metrics["kv_capacity_tokens"]["predicted"] == metrics["kv_capacity_tokens"]["measured"]
+    print("\nendpoint verification: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
+          + f"; machine {json.dumps(result['machine'])}")
+    # on the predictions scaled by the drift the calibration's own points show when timed again around the
+    # workload (a busy machine's speed changes within minutes). Throughput within the verification test's 15%;
+    # TPOT p50 within 20%: it comes out 13-15% low, every time, although each step shape fits within 5% (issue 18)
+    corrected = result["machine"]["metrics_drift_corrected"]
+    assert abs(corrected["output_tokens_per_s"]["error_pct"]) < 15, corrected["output_tokens_per_s"]
+    assert abs(corrected["tpot_p50_s"]["error_pct"]) < 20, corrected["tpot_p50_s"]
+
+
+def test_endpoint_calibration_prices_a_plan(endpoint, tmp_path):
+    """A calibration made from the outside serves `planner plan` like one made from a profile."""
+    calibration = tmp_path / "small.calibration.json"
+    fitted = planner("calibrate", "--endpoint", endpoint, "--model", "smollm2-135m", "--hardware", "cpu",
+                     "--prefill-tokens", "16", "64", "128", "--batches", "1", "4", "8", "--repeats", "1",
+                     "--max-mape", "100", "--out", str(calibration), "--json")
+    assert fitted.returncode == 0, fitted.stderr
+    plan = planner("plan", "--model", "smollm2-135m", "--hardware", "cpu", "--gpus", "1", "--weights", "bf16",
+                   "--kv", "bf16", "--context", "512", "--calibration", str(calibration), "--json")
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("calibrate", "--endpoint", "http://127.0.0.1:9", "--model", "smollm2-135m", "--hardware", "cpu", "--out",
+      "/tmp/x.json"), "cannot reach"),
+    (("calibrate", "--endpoint", "http://127.0.0.1:9", "--out", "/tmp/x.json"), "--model"),
+    (("calibrate", "--endpoint", "ftp://somewhere", "--model", "smollm2-135m", "--hardware", "cpu", "--out",
+      "/tmp/x.json"), "ftp://somewhere"),
+    (("verify", "--endpoint", "http://127.0.0.1:9", "--rate", "1"), "--calibration"),
+    (("verify", "--rate", "1"), "--profile"),
+])
+def test_endpoint_bad_input_is_one_line(args, needle):
+    result = planner(*args)
+    assert result.returncode == 2
+    assert needle in result.stderr and result.stderr.strip().count("\n") == 0
