@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 from engine.llm import LLM
 from engine.metrics import summarize
+from engine.server import serve_subprocess
 from engine.serving import ServeRequest, serve
 from planner.endpoint import Client, serve_workload, synthetic_prompt
 from planner.workload import LengthDistribution, Workload
@@ -31,28 +28,6 @@ ENGINE = dict(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu
 SERVE_FLAGS = ["--model", "smollm2-135m", "--weights", "fp32", "--kv-dtype", "bf16", "--device", "cpu",
                "--memory-gib", "0.25", "--threads", "1"]
 METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *SERVE_FLAGS, "--port", str(port)],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return server, url
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("engine serve did not start")
-            time.sleep(0.2)
 
 
 def served_over_http(url: str, workload: Workload, vocab_size: int) -> dict:
@@ -79,9 +54,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     llm = LLM(**ENGINE)
-    server, url = start_server()
     rows = []
-    try:
+    with serve_subprocess(SERVE_FLAGS) as url:
         for rate in args.rates:
             workload = Workload("poisson", args.requests, rate=rate, prompt=LengthDistribution("fixed", 64),
                                 output=LengthDistribution("fixed", 32), seed=0)
@@ -92,9 +66,6 @@ def main() -> None:
                          "overhead_ms_per_token": round(1e3 * (http["tpot_p50_s"] - engine["tpot_p50_s"]), 3),
                          "tpot_ratio": round(http["tpot_p50_s"] / engine["tpot_p50_s"], 4),
                          "ttft_ratio": round(http["ttft_p50_s"] / engine["ttft_p50_s"], 4)})
-    finally:
-        server.terminate()
-        server.wait(30)
     out = sys.stderr if args.json else sys.stdout
     print(f"{'rate':>5} | {'tok/s in-proc':>13} {'served':>8} | {'TTFT p50 in-proc':>16} {'served':>8} | "
           f"{'TPOT p50 in-proc':>16} {'served':>8} | {'ms/token':>8}", file=out)

@@ -16,6 +16,7 @@ Prefill chunks and decodes share one step.
 from __future__ import annotations
 
 from collections import deque
+
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus

@@ -15,12 +15,18 @@ import asyncio
 import itertools
 import json
 import logging
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -375,3 +381,32 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeou
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+@contextmanager
+def serve_subprocess(flags: list[str], timeout_s: float = 300.0) -> Iterator[str]:
+    """`engine serve FLAGS` as a process of its own on a free port of 127.0.0.1 (tests, benchmarks: its steps then
+    share nothing with the caller's interpreter); yields its base URL once /health answers, stops it after."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *flags, "--port", str(port)],
+                                  cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2):
+                        break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        raise ConfigError(f"engine serve {' '.join(flags)} did not come up: "
+                                          f"{log.read().strip()[-500:]!r}") from None
+                    time.sleep(0.2)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(30)

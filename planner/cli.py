@@ -36,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--gpus", type=int, default=1, help="--endpoint: GPUs of one replica")
     calibrate.add_argument("--tp", type=int, default=None, help="--endpoint: tensor parallelism (default: all GPUs)")
     calibrate.add_argument("--expert-parallel", action="store_true", help="--endpoint: experts spread over the GPUs")
-    calibrate.add_argument("--weights", default="bf16", help="--endpoint: the weights it serves, as the planner names them")
+    calibrate.add_argument("--weights", default="bf16",
+                           help="--endpoint: the weights it serves, as the planner names them")
     calibrate.add_argument("--kv", default="bf16", help="--endpoint: its KV dtype")
     calibrate.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
-    calibrate.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="--endpoint: prompts timed alone")
+    calibrate.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
+                           help="--endpoint: prompts timed alone")
     calibrate.add_argument("--batches", type=int, nargs="+", default=None, help="--endpoint: decode batches timed")
     calibrate.add_argument("--repeats", type=int, default=None, help="--endpoint: timings per prefill or mixed point")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -93,11 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "simulator; the error per metric")
     verify.add_argument("--profile", default=None, help="a CPU profile written by `engine profile`")
     verify.add_argument("--endpoint", default=None, help="a live OpenAI-compatible server instead of the engine here")
-    verify.add_argument("--calibration", default=None, help="--endpoint: its calibration (planner calibrate --endpoint)")
+    verify.add_argument("--calibration", default=None,
+                        help="--endpoint: its calibration (planner calibrate --endpoint)")
     verify.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
     _workload_options(verify, requests=30)
     verify.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="the engine's KV pool in GiB (default 0.25; with --endpoint: the server's, if it was given one)")
+                        help="the engine's KV pool in GiB (default 0.25; with --endpoint: the server's, if it was "
+                             "given one)")
     verify.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (--endpoint: what /metrics says)")
     verify.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default 2048 (--endpoint: what /metrics says)")

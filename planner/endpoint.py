@@ -131,15 +131,13 @@ def server_shape(url: str) -> ServerShape:
         value = sample.labels.get(label) if sample is not None else None
         return int(float(value)) if value not in (None, "", "None") else None
 
-    if "kvplan_cache_config_info" in samples:
-        pages, page = label_int("kvplan_cache_config_info", "num_pages"), label_int("kvplan_cache_config_info",
-                                                                                     "page_size")
-        return ServerShape("kvplan", pages * page, page, label_int("kvplan_cache_config_info", "max_num_seqs"),
-                           label_int("kvplan_cache_config_info", "max_num_batched_tokens"),
-                           label_int("kvplan_cache_config_info", "max_model_len"))
-    if "vllm:cache_config_info" in samples:
-        blocks, block = label_int("vllm:cache_config_info", "num_gpu_blocks"), label_int("vllm:cache_config_info",
-                                                                                          "block_size")
+    ours, vllm = "kvplan_cache_config_info", "vllm:cache_config_info"
+    if ours in samples:
+        pages, page = label_int(ours, "num_pages"), label_int(ours, "page_size")
+        return ServerShape("kvplan", pages * page, page, label_int(ours, "max_num_seqs"),
+                           label_int(ours, "max_num_batched_tokens"), label_int(ours, "max_model_len"))
+    if vllm in samples:
+        blocks, block = label_int(vllm, "num_gpu_blocks"), label_int(vllm, "block_size")
         return ServerShape("vllm", blocks * block if blocks and block else None, block, None, None, None)
     if "sglang:max_total_num_tokens" in samples:
         return ServerShape("sglang", int(samples["sglang:max_total_num_tokens"].value), None, None, None, None)
@@ -197,20 +195,33 @@ def _steady_gaps(timings: list[StreamTiming]) -> list[tuple[int, float]]:
             if earlier >= start and later <= end]
 
 
+async def _prefill_ttfts(client: Client, tokens: int, repeats: int, vocab_size: int,
+                         rng: np.random.Generator) -> list[float]:
+    """TTFTs of prompts of `tokens` sent alone, one after another: each a prefill step."""
+    ttfts = []
+    for _ in range(repeats):
+        timing = await client.stream(synthetic_prompt(tokens, vocab_size, rng), 1, StreamTiming(tokens))
+        ttfts.append(timing.token_s[0] - timing.sent_s)
+    return ttfts
+
+
+async def _decode_gaps(client: Client, batch: int, prompt: int, output: int, vocab_size: int,
+                       rng: np.random.Generator) -> list[tuple[int, float]]:
+    """`_steady_gaps` of `batch` streams sent at once."""
+    timings = await asyncio.gather(*(client.stream(synthetic_prompt(prompt, vocab_size, rng), output,
+                                                   StreamTiming(prompt)) for _ in range(batch)))
+    return _steady_gaps(list(timings))
+
+
 async def _sweep(client: Client, sweep: EndpointSweep, vocab_size: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     samples = []
     for tokens in sweep.prefill_tokens:
-        ttfts = []
-        for _ in range(sweep.repeats):
-            timing = await client.stream(synthetic_prompt(tokens, vocab_size, rng), 1, StreamTiming(tokens))
-            ttfts.append(timing.token_s[0] - timing.sent_s)
+        ttfts = await _prefill_ttfts(client, tokens, sweep.repeats, vocab_size, rng)
         samples.append(_sample("prefill", shape_fields([], [(tokens, tokens)]), ttfts))
     prompt, output = sweep.decode_prompt_tokens, sweep.decode_output_tokens
     for batch in sweep.decode_batches:
-        timings = await asyncio.gather(*(client.stream(synthetic_prompt(prompt, vocab_size, rng), output,
-                                                       StreamTiming(prompt)) for _ in range(batch)))
-        gaps = _steady_gaps(timings)
+        gaps = await _decode_gaps(client, batch, prompt, output, vocab_size, rng)
         if gaps:
             done = int(statistics.median(index for index, _ in gaps))
             samples.append(_sample("decode", shape_fields([prompt + done] * batch, []), [g for _, g in gaps]))
@@ -393,16 +404,11 @@ async def slowdown(client: Client, document: dict[str, Any], vocab_size: int) ->
     prefill = max((s for s in samples if s["kind"] == "prefill"), key=lambda s: s["batch"]["prefill_tokens"])
     decode = min((s for s in samples if s["kind"] == "decode"), key=lambda s: s["batch"]["num_decodes"])
     rng = np.random.default_rng(2)
-    tokens = prefill["batch"]["prefill_tokens"]
-    ttfts = []
-    for _ in range(PROBE_REPEATS):
-        timing = await client.stream(synthetic_prompt(tokens, vocab_size, rng), 1, StreamTiming(tokens))
-        ttfts.append(timing.token_s[0] - timing.sent_s)
-    prompt, output = sweep["decode_prompt_tokens"], sweep["decode_output_tokens"]
-    streams = await asyncio.gather(*(client.stream(synthetic_prompt(prompt, vocab_size, rng), output,
-                                                   StreamTiming(prompt)) for _ in range(decode["batch"]["num_decodes"])))
-    gaps = [gap for _, gap in _steady_gaps(list(streams))]
-    ratios = [statistics.median(ttfts) / prefill["median_s"], statistics.median(gaps) / decode["median_s"]]
+    ttfts = await _prefill_ttfts(client, prefill["batch"]["prefill_tokens"], PROBE_REPEATS, vocab_size, rng)
+    gaps = await _decode_gaps(client, decode["batch"]["num_decodes"], sweep["decode_prompt_tokens"],
+                              sweep["decode_output_tokens"], vocab_size, rng)
+    ratios = [statistics.median(ttfts) / prefill["median_s"],
+              statistics.median(gap for _, gap in gaps) / decode["median_s"]]
     return float(np.sqrt(ratios[0] * ratios[1]))
 
 

@@ -289,7 +289,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     corrected_report = corrected.run(list(specs)).report()
     metrics = {
         "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
-                                      llm.capacity_tokens),
+                                       llm.capacity_tokens),
         "peak_concurrency": compared(predicted["max_concurrency_reached"], max(s.running for s in served.steps)),
         "preemptions": compared(predicted["preemptions"], served.preemptions),
         **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},

@@ -3,23 +3,14 @@ planner's CLI, as an operator would run them against vLLM or SGLang."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
 from conftest import REPO
 
 KV_GIB = "0.25"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -31,23 +22,11 @@ def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def endpoint():
     """`engine serve` on one thread (a step that waits for two threads on a 2-core machine is at the mercy of the
     client beside it), fp32 weights and a bf16 KV pool of 0.25 GiB."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", "smollm2-135m", "--device", "cpu",
-                               "--threads", "1", "--kv-dtype", "bf16", "--memory-gib", KV_GIB, "--port", str(port)],
-                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except OSError:
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline, "engine serve did not come up"
-            time.sleep(0.2)
-    yield url
-    server.terminate()
-    server.wait(30)
+    from engine.server import serve_subprocess
+
+    with serve_subprocess(["--model", "smollm2-135m", "--device", "cpu", "--threads", "1", "--kv-dtype", "bf16",
+                           "--memory-gib", KV_GIB]) as url:
+        yield url
 
 
 def test_calibrate_then_verify_against_the_live_server(endpoint, tmp_path):
