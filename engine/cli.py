@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     serve.add_argument("--integrity", choices=INTEGRITY_MODES, default="ownership", help="KV-cache integrity checks")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--step-trace", default=None, metavar="FILE",
+                       help="append every step (start, duration, batch) to FILE as JSON lines")
     return parser
 
 
@@ -202,7 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from engine.server import ServerConfig, serve
 
-    config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting)
+    config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting,
+                          args.step_trace)
     with LLM(engine_config(args, device=args.device, integrity=args.integrity, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)) as llm:
         print(f"engine: serving {config.model_name!r} on http://{config.host}:{config.port} "

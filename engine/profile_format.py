@@ -22,6 +22,13 @@ def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     return shape_fields(decode_ends, chunks, index_topk)
 
 
+def regime_of(batch: dict[str, int]) -> str:
+    """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
+    if not batch["num_prefills"]:
+        return "decode"
+    return "prefill" if not batch["num_decodes"] else "mixed"
+
+
 def shape_fields(decode_contexts: list[int], chunks: list[tuple[int, int]], index_topk: int = 0) -> dict[str, int]:
     """The `BatchShape` fields of decodes reading these contexts (their new token included) and prefill chunks
     of (new tokens, context end)."""

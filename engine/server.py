@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.errors import ConfigError, RequestError
 from engine.llm import LLM, RequestOutput
 from engine.openai_protocol import ChatRequest, CompletionRequest, ResponseWriter, SamplingFields, error_body
+from engine.profile_format import batch_shape, regime_of
 from engine.sequence import FinishReason, SamplingParams, Sequence
 from engine.server_metrics import ServerMetrics
 from engine.text_stream import TextStream
@@ -52,6 +54,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting: int = 256          # requests queued beyond the running batch; more are refused with 429
+    step_trace: str | None = None   # a file to append every step to, as JSON lines (diagnosis against the planner)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -88,10 +91,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, metrics: ServerMetrics, max_waiting: int) -> None:
+    def __init__(self, llm: LLM, metrics: ServerMetrics, max_waiting: int, step_trace: str | None = None) -> None:
         self.llm = llm
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self._step_trace_path = step_trace
+        self._step_trace: TextIO | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._streams: dict[int, RequestStream] = {}
         self._pending: list[RequestStream] = []
@@ -102,6 +107,8 @@ class AsyncEngine:
         self._preemptions = llm.num_preemptions
 
     async def start(self) -> None:
+        if self._step_trace_path:
+            self._step_trace = open(self._step_trace_path, "a")
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -109,6 +116,8 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        if self._step_trace is not None:
+            self._step_trace.close()
 
     def decode(self, token_ids: list[int]) -> str:
         return self.llm.tokenizer.decode(token_ids) if self.llm.tokenizer is not None else ""
@@ -168,7 +177,26 @@ class AsyncEngine:
             self.llm.abort(seq_id)
         for hook in hooks:
             hook(self.llm)
-        return self.llm.step() if self.llm.has_unfinished() else []
+        if not self.llm.has_unfinished():
+            return []
+        started = time.perf_counter()
+        finished = self.llm.step()
+        self._time_step(started, time.perf_counter() - started)
+        return finished
+
+    def _time_step(self, started: float, seconds: float) -> None:
+        """The step's duration by regime in /metrics; with a step trace, its batch, times and whether work is left
+        for the next step, as a JSON line (perf_counter is the system's monotonic clock: a client on this machine
+        can line its own times up with it)."""
+        output = self.llm.last_output
+        if output is None or output.is_empty:
+            return
+        shape = batch_shape(output, self.llm.model_config.attention.index_topk)
+        self.metrics.step_seconds.labels(regime_of(shape)).observe(seconds)
+        if self._step_trace is not None:
+            self._step_trace.write(json.dumps({"start_s": round(started, 6), "duration_s": round(seconds, 6),
+                                               "batch": shape, "more": self.llm.has_unfinished()}) + "\n")
+            self._step_trace.flush()
 
     def _deliver(self, finished: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -231,7 +259,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
                              "max_num_batched_tokens": scheduler.max_num_batched_tokens,
                              "max_model_len": scheduler.max_model_len, "kv_dtype": llm.kv_layout.dtype,
                              "weights": llm.config.weights})
-    engine = AsyncEngine(llm, metrics, config.max_waiting)
+    engine = AsyncEngine(llm, metrics, config.max_waiting, config.step_trace)
     metrics.pages_free.set(llm.block_manager.num_free_pages)
     ids = itertools.count()
 

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 # latency buckets (seconds): a GPU decode step is milliseconds, a CPU prefill of a long prompt seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0)
 
 
@@ -35,6 +36,9 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram("kvplan_inter_token_latency_seconds", "Between successive tokens of a request",
                              buckets=ITL_BUCKETS, registry=registry)
+        self.step_seconds = Histogram("kvplan_step_duration_seconds", "Engine steps by regime (prefill, decode, "
+                                      "mixed): the model's compute, without HTTP", ["regime"],
+                                      buckets=STEP_BUCKETS, registry=registry)
         Info("kvplan_cache_config", "The KV pool and batching limits", registry=registry).info(
             {key: str(value) for key, value in cache_config.items()})
         self.capacity.set(int(cache_config["num_pages"]) * int(cache_config["page_size"]))

@@ -203,7 +203,6 @@ class Costing:
 
 def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
-    parallel = deployment.parallel
     weight_scheme(model, deployment.weights, deployment.group_size)
     params, measured, source = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
                                                deployment.calibration, deployment.cuda_graphs)
@@ -211,9 +210,7 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
     hardware = hardware.with_price(deployment.gpu_hour_usd)
     plan = _memory_plan(deployment, model, hardware)
-    measured_link = measured.link_bytes_per_s if measured is not None else None
-    link = None if parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
-    peaks = Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
+    peaks = _peaks(deployment, hardware, measured.link_bytes_per_s if measured is not None else None)
     return Costing(hardware, plan, peaks, params, source, model_costs(model, plan))
 
 
@@ -223,9 +220,14 @@ def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPl
     model, hardware = get_model(deployment.model), get_hardware(deployment.hardware)
     weight_scheme(model, deployment.weights, deployment.group_size)
     plan = _memory_plan(deployment, model, hardware)
-    link = None if deployment.parallel.tp == 1 else hardware.link_bytes_per_s
-    return model_costs(model, plan), Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights),
-                                           link), plan
+    return model_costs(model, plan), _peaks(deployment, hardware), plan
+
+
+def _peaks(deployment: Deployment, hardware: HardwareSpec, measured_link: float | None = None) -> Peaks:
+    """The hardware's peaks for the deployment's weights; a link only under tensor parallelism (a measured one
+    where a calibration has it)."""
+    link = None if deployment.parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
+    return Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
 
 
 def _memory_plan(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> MemoryPlan:

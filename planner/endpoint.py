@@ -32,12 +32,13 @@ from engine.config import SchedulerConfig
 from engine.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.metrics import RequestTiming, summarize
 from engine.profile_format import shape_fields
-from planner.calibration import CALIBRATION_VERSION, MAX_MAPE_PCT, Points, fit_report, load_calibration
+from planner.calibration import (CALIBRATION_VERSION, MAX_MAPE_PCT, Calibration, Points, fit_report,
+                                load_calibration)
 from planner.capacity import Deployment, catalogue_costs
 from planner.errors import PlannerError
 from planner.models import get_model
-from planner.simulator import Simulation, model_step_time
-from planner.step_model import BatchShape, step_time
+from planner.simulator import Simulation, SimulationResult, model_step_time
+from planner.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_time
 from planner.verify import TIMING_METRICS, compared, metrics_table, workload_dict
 from planner.workload import RequestSpec, Workload
 
@@ -53,7 +54,7 @@ class EndpointSweep:
     """The bounded sweep: what is timed, how often."""
 
     prefill_tokens: tuple[int, ...] = (32, 64, 128, 256, 512)
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    decode_batches: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
     decode_prompt_tokens: int = 64
     decode_output_tokens: int = 32
     mixed: tuple[tuple[int, int], ...] = ((1, 64), (1, 192), (2, 128), (4, 256), (8, 128))  # (decodes, prefill)
@@ -91,6 +92,37 @@ class ServerShape:
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     max_model_len: int | None
+
+
+@dataclass(frozen=True)
+class RowResiduals:
+    """What the fitted step model misses at each decode batch the sweep timed (measured less fitted seconds), by
+    row count: a server's matmuls change kernels with the number of rows, so a step of 3 decodes can cost more
+    than one of 4 (on this CPU, 99 ms against 85), which no smooth model draws. Like a profile's measured linears,
+    it is this server's only: the endpoint's verification adds it to steps of a row count inside the timed range
+    (interpolated between timed batches), and nothing outside it."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def of(cls, document: dict[str, Any]) -> RowResiduals:
+        residuals = document.get("row_residuals") or {"rows": [], "seconds": []}
+        return cls(tuple(residuals["rows"]), tuple(residuals["seconds"]))
+
+    def at(self, rows: int) -> float:
+        if not self.rows or not self.rows[0] <= rows <= self.rows[-1]:
+            return 0.0
+        return float(np.interp(rows, self.rows, self.seconds))
+
+
+def row_residuals(samples: list[dict[str, Any]], costs: ModelCosts, peaks: Peaks,
+                  params: StepParameters) -> dict[str, list]:
+    """Per decode batch timed: its median step less the fitted model's (`RowResiduals`)."""
+    decodes = sorted((s for s in samples if s["kind"] == "decode"), key=lambda s: s["batch"]["num_decodes"])
+    return {"rows": [s["batch"]["num_decodes"] for s in decodes],
+            "seconds": [round(s["median_s"] - step_time(costs, peaks, params, BatchShape(**s["batch"])), 7)
+                        for s in decodes]}
 
 
 def _get(url: str, timeout_s: float = 10.0) -> bytes:
@@ -266,7 +298,7 @@ def _sample(kind: str, batch: dict[str, int], seconds: list[float]) -> dict[str,
     return {"kind": kind, "batch": batch, "median_s": round(statistics.median(seconds), 7), "timings": len(seconds)}
 
 
-def _with_client(work: Callable[[Client], Awaitable[T]], url: str, model: str) -> T:
+def with_client(work: Callable[[Client], Awaitable[T]], url: str, model: str) -> T:
     """Runs `work(client)` on a fresh event loop, closing the client after."""
     async def main() -> T:
         client = Client(url, model)
@@ -285,8 +317,9 @@ def calibrate_endpoint(url: str, deployment: Deployment, sweep: EndpointSweep | 
     name = served_name or served_model(url)
     shape = server_shape(url)
     model = get_model(deployment.model)
-    samples = _with_client(lambda client: _sweep(client, sweep, model.vocab_size), url, name)
+    samples = with_client(lambda client: _sweep(client, sweep, model.vocab_size), url, name)
     costs, peaks, _plan = catalogue_costs(deployment)
+    fitted = fit_report(Points.of(samples, costs), peaks, max_mape)
     document = {
         "version": CALIBRATION_VERSION,
         "fingerprint": {"engine_version": f"endpoint:{shape.kind}", "endpoint": _base(url), "served_model": name,
@@ -295,7 +328,8 @@ def calibrate_endpoint(url: str, deployment: Deployment, sweep: EndpointSweep | 
                         "weights": deployment.weights, "kv_dtype": deployment.kv_dtype, "device": "endpoint"},
         "samples_sha256": hashlib.sha256(json.dumps(samples, sort_keys=True).encode()).hexdigest(),
         "peaks": asdict(peaks),
-        **fit_report(Points.of(samples, costs), peaks, max_mape),
+        **fitted,
+        "row_residuals": row_residuals(samples, costs, peaks, StepParameters(**fitted["parameters"])),
         "max_mape_pct": max_mape,
         "num_samples": len(samples),
         "samples": samples,
@@ -359,28 +393,12 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
         raise PlannerError(f"the {shape.kind} server at {url} does not publish {', '.join(missing)}: give "
                            + ", ".join(f"--{name.replace('_', '-')}" for name in missing))
     name = served_name or served_model(url)
-    model = get_model(deployment.model)
-    document = calibration.document
-
-    async def probed_run(client: Client) -> tuple[list[RequestTiming], float, float]:
-        before = await slowdown(client, document, model.vocab_size)
-        timings = await serve_workload(client, specs, model.vocab_size)
-        return timings, before, await slowdown(client, document, model.vocab_size)
-
-    measured_timings, before, after = _with_client(probed_run, url, name)
-    speed = (before + after) / 2
-    costs, _peaks, _plan = catalogue_costs(deployment)
-
-    def step_seconds(batch: BatchShape) -> float:
-        return step_time(costs, calibration.peaks, calibration.parameters, batch)
-
-    config = SchedulerConfig(num_pages=shape.capacity_tokens // shape.page_size, page_size=shape.page_size,
-                             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
-                             max_model_len=shape.max_model_len)
-    predicted = Simulation(config, model_step_time(step_seconds, costs.index_topk)).run(list(specs)).report()
-    corrected = Simulation(config, model_step_time(lambda batch: speed * step_seconds(batch), costs.index_topk)).run(
-        list(specs)).report()
-    measured = summarize(measured_timings)
+    vocab_size = get_model(deployment.model).vocab_size
+    run = with_client(lambda client: probed_workload(client, calibration.document, specs, vocab_size), url, name)
+    speed = (run.before + run.after) / 2
+    predicted = simulate_endpoint(calibration, shape, specs).report()
+    corrected = simulate_endpoint(calibration, shape, specs, speed).report()
+    measured = summarize(run.timings)
     metrics = {"kv_capacity_tokens": compared(predicted_capacity(deployment, shape.page_size, kv_cache_gib),
                                              shape.capacity_tokens),
                **{metric: compared(predicted[metric], measured[metric]) for metric in TIMING_METRICS}}
@@ -390,10 +408,46 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
                             if key.startswith(("mape", "holdout")) or key == "parameters"},
             "completed": measured.get("completed", 0),
             "machine": {"slowdown_vs_profile_pct": round(100 * (speed - 1), 2),
-                        "slowdown_before_pct": round(100 * (before - 1), 2),
-                        "slowdown_after_pct": round(100 * (after - 1), 2),
+                        "slowdown_before_pct": round(100 * (run.before - 1), 2),
+                        "slowdown_after_pct": round(100 * (run.after - 1), 2),
                         "metrics_drift_corrected": {metric: compared(corrected[metric], measured[metric])
                                                     for metric in TIMING_METRICS}}}
+
+
+@dataclass(frozen=True)
+class ProbedRun:
+    """A workload as the endpoint served it, between two drift probes; `window_s` is when it ran (perf_counter)."""
+
+    timings: list[RequestTiming]
+    before: float
+    after: float
+    window_s: tuple[float, float]
+
+
+async def probed_workload(client: Client, document: dict[str, Any], specs: list[RequestSpec],
+                          vocab_size: int) -> ProbedRun:
+    before = await slowdown(client, document, vocab_size)
+    started = time.perf_counter()
+    timings = await serve_workload(client, specs, vocab_size)
+    window = (started, time.perf_counter())
+    return ProbedRun(timings, before, await slowdown(client, document, vocab_size), window)
+
+
+def simulate_endpoint(calibration: Calibration, shape: ServerShape, specs: list[RequestSpec],
+                      speed: float = 1.0) -> SimulationResult:
+    """The workload through the simulator with the server's limits and the calibrated steps, their row
+    residuals added (times `speed`)."""
+    costs, _peaks, _plan = catalogue_costs(deployment_of(calibration.fingerprint))
+    residuals = RowResiduals.of(calibration.document)
+
+    def step_seconds(batch: BatchShape) -> float:
+        return speed * (step_time(costs, calibration.peaks, calibration.parameters, batch)
+                        + residuals.at(batch.new_tokens))
+
+    config = SchedulerConfig(num_pages=shape.capacity_tokens // shape.page_size, page_size=shape.page_size,
+                             max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
+                             max_model_len=shape.max_model_len)
+    return Simulation(config, model_step_time(step_seconds, costs.index_topk)).run(list(specs))
 
 
 async def slowdown(client: Client, document: dict[str, Any], vocab_size: int) -> float:

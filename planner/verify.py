@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.metrics import summarize
-from engine.profile_format import REGIMES, batch_shape
+from engine.profile_format import REGIMES, batch_shape, regime_of
 from planner.calibration import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
 from planner.errors import PlannerError
 from planner.models import get_model
@@ -273,7 +273,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     modelled: list[tuple[str, float]] = []
 
     def replay_and_model(output: SchedulerOutput) -> float:
-        modelled.append((regime(output), model(output)))
+        modelled.append((regime_of(batch_shape(output)), model(output)))
         return replay_step(output)
 
     replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
@@ -341,14 +341,6 @@ def served_shape(step: ServedStep) -> tuple[str, int]:
     if decodes == len(step.batch):
         return "decode", decodes
     return ("prefill" if not decodes else "mixed"), decodes
-
-
-def regime(output: SchedulerOutput) -> str:
-    """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
-    shape = batch_shape(output)
-    if not shape["num_prefills"]:
-        return "decode"
-    return "prefill" if not shape["num_decodes"] else "mixed"
 
 
 def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) -> dict[str, dict[str, float]]:

@@ -22,8 +22,9 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def served():
-    """A server on a free port of 127.0.0.1, its engine, and greedy references taken before it started."""
+def served(tmp_path_factory):
+    """A server on a free port of 127.0.0.1 that traces its steps, its engine, and greedy references taken before
+    it started."""
     from engine.llm import LLM
     from engine.sequence import SamplingParams
     from engine.server import ServerConfig, build_app, serve_in_thread
@@ -32,10 +33,11 @@ def served():
     reference = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     chat_prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}])
     chat_reference = llm.generate([chat_prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
-    app = build_app(llm, ServerConfig(MODEL))
+    trace = tmp_path_factory.mktemp("server") / "steps.jsonl"
+    app = build_app(llm, ServerConfig(MODEL, step_trace=str(trace)))
     with serve_in_thread(app) as url:
         yield {"url": url, "llm": llm, "engine": app.state.engine, "reference": reference,
-               "chat_reference": chat_reference}
+               "chat_reference": chat_reference, "trace": trace}
 
 
 def client(served) -> openai.OpenAI:
@@ -182,6 +184,30 @@ def test_full_queue_gets_429_with_retry_after(served):
                for _, error, headers in refusals)
     assert status == 200 and payload["usage"]["completion_tokens"] >= 1
     wait_idle(served)
+
+
+def test_steps_are_traced_and_timed_by_regime(served):
+    """The step trace holds each step's batch as the profile's shape fields, in order, without overlaps; /metrics
+    counts the same steps by regime."""
+    step_count = 'kvplan_step_duration_seconds_count{{"regime": "{}"}}'
+    before, traced = metrics(served), len(served["trace"].read_text().splitlines())
+    prompt = served["reference"].prompt_token_ids
+    client(served).completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    after = wait_idle(served)
+    steps = [json.loads(line) for line in served["trace"].read_text().splitlines()[traced:]]
+    assert len(steps) == MAX_TOKENS
+    first, decodes = steps[0], steps[1:]
+    assert (first["batch"]["num_prefills"], first["batch"]["prefill_tokens"], first["batch"]["num_decodes"]) == (
+        1, len(prompt), 0)
+    assert [step["batch"]["decode_context_tokens"] for step in decodes] == [
+        len(prompt) + i for i in range(1, MAX_TOKENS)]
+    assert all(step["batch"]["num_decodes"] == 1 and step["batch"]["num_prefills"] == 0 for step in decodes)
+    assert all(later["start_s"] >= earlier["start_s"] + earlier["duration_s"] and earlier["more"]
+               for earlier, later in zip(steps, steps[1:])) and not steps[-1]["more"]
+    assert all(step["duration_s"] > 0 for step in steps)
+    for regime, count in (("prefill", 1), ("decode", MAX_TOKENS - 1)):
+        assert after[step_count.format(regime)] == before.get(step_count.format(regime), 0) + count
 
 
 def test_disconnect_mid_stream_aborts_and_frees_the_pages(served):
