@@ -23,11 +23,11 @@ from engine.metrics import RequestTiming, summarize
 from engine.profile_format import regime_of
 from engine.server import serve_subprocess
 from planner.calibration import load_calibration
-from planner.capacity import Deployment, catalogue_costs
-from planner.endpoint import (EndpointSweep, RowResiduals, calibrate_endpoint, deployment_of, probed_workload,
+from planner.capacity import Deployment
+from planner.endpoint import (EndpointSweep, RowResiduals, calibrate_endpoint, calibrated_step, probed_workload,
                               server_shape, simulate_endpoint, with_client)
 from planner.models import get_model
-from planner.step_model import BatchShape, step_time
+from planner.step_model import BatchShape
 from planner.verify import TIMING_METRICS, compared, served_shape, step_model_errors
 from planner.workload import LengthDistribution, Workload
 
@@ -101,12 +101,9 @@ def main() -> None:
                                  "smollm2-135m")
             shape = server_shape(url)
         sweep_steps, workload_steps = read_trace(trace, sweep_window), read_trace(trace, served.window_s)
-    costs, _peaks, _plan = catalogue_costs(deployment_of(calibration.fingerprint))
     speed = (served.before + served.after) / 2
+    price, _index_topk = calibrated_step(calibration)
     residuals = RowResiduals.of(document)
-
-    def price(batch: BatchShape) -> float:
-        return step_time(costs, calibration.peaks, calibration.parameters, batch) + residuals.at(batch.new_tokens)
 
     simulated = simulate_endpoint(calibration, shape, specs, speed)
     simulated_regimes = [served_shape(step)[0] for step in simulated.steps]

@@ -31,6 +31,7 @@ from planner.step_model import (BatchShape, MeasuredLinears, ModelCosts, Peaks, 
                                  step_terms)
 
 CALIBRATION_VERSION = 1
+ENDPOINT_VERSION_PREFIX = "endpoint:"     # the engine_version of a calibration made against a running server
 PROFILES = Path(__file__).resolve().parent / "profiles"
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
@@ -308,6 +309,12 @@ class Calibration:
         except (KeyError, TypeError, ValueError) as error:
             raise PlannerError(f"{source} is malformed: {error}") from None
 
+    @property
+    def from_endpoint(self) -> bool:
+        """Made against a running server (`planner.endpoint`): it describes that server's kernels, whatever engine
+        it is, so no engine version applies."""
+        return str(self.fingerprint.get("engine_version", "")).startswith(ENDPOINT_VERSION_PREFIX)
+
     def check_matches(self, engine_version: str | None = None, model: str | None = None,
                       weights: str | None = None, kv_dtype: str | None = None) -> None:
         check_fingerprint(self.fingerprint, "calibration", engine_version, model, weights, kv_dtype)
@@ -367,10 +374,8 @@ def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtyp
     fingerprint = calibration.fingerprint
     if fingerprint.get("hardware") != hardware.key:
         raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
-    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape (one
-    # made against a running server, `planner.endpoint`, describes that server's kernels, whatever engine it is)
-    from_endpoint = str(fingerprint.get("engine_version", "")).startswith("endpoint:")
-    calibration.check_matches(engine_version=None if from_endpoint else engine_version(), weights=weights,
-                              kv_dtype=kv_dtype)
+    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
+    calibration.check_matches(engine_version=None if calibration.from_endpoint else engine_version(),
+                              weights=weights, kv_dtype=kv_dtype)
     peaks = calibration.peaks if hardware.calibrated else None
     return calibration.parameters, peaks, f"calibration {Path(path).name}"

@@ -32,8 +32,8 @@ from engine.config import SchedulerConfig
 from engine.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.metrics import RequestTiming, summarize
 from engine.profile_format import shape_fields
-from planner.calibration import (CALIBRATION_VERSION, MAX_MAPE_PCT, Calibration, Points, fit_report,
-                                load_calibration)
+from planner.calibration import (CALIBRATION_VERSION, ENDPOINT_VERSION_PREFIX, MAX_MAPE_PCT, Calibration, Points,
+                                fit_report, load_calibration)
 from planner.capacity import Deployment, catalogue_costs
 from planner.errors import PlannerError
 from planner.models import get_model
@@ -322,7 +322,7 @@ def calibrate_endpoint(url: str, deployment: Deployment, sweep: EndpointSweep | 
     fitted = fit_report(Points.of(samples, costs), peaks, max_mape)
     document = {
         "version": CALIBRATION_VERSION,
-        "fingerprint": {"engine_version": f"endpoint:{shape.kind}", "endpoint": _base(url), "served_model": name,
+        "fingerprint": {"engine_version": f"{ENDPOINT_VERSION_PREFIX}{shape.kind}", "endpoint": _base(url), "served_model": name,
                         "hardware": deployment.hardware, "model": deployment.model, "gpus": deployment.gpus,
                         "tensor_parallel": deployment.parallel.tp, "expert_parallel": deployment.expert_parallel,
                         "weights": deployment.weights, "kv_dtype": deployment.kv_dtype, "device": "endpoint"},
@@ -379,7 +379,7 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
     not publish (max_num_seqs, max_num_batched_tokens, max_model_len, page_size, capacity_tokens)."""
     calibration = load_calibration(calibration_path)
     fingerprint = calibration.fingerprint
-    if not str(fingerprint.get("engine_version", "")).startswith("endpoint:"):
+    if not calibration.from_endpoint:
         raise PlannerError(f"calibration {calibration_path!r} was not made against an endpoint: "
                            f"use `planner calibrate --endpoint`")
     deployment = deployment_of(fingerprint)
@@ -433,21 +433,25 @@ async def probed_workload(client: Client, document: dict[str, Any], specs: list[
     return ProbedRun(timings, before, await slowdown(client, document, vocab_size), window)
 
 
-def simulate_endpoint(calibration: Calibration, shape: ServerShape, specs: list[RequestSpec],
-                      speed: float = 1.0) -> SimulationResult:
-    """The workload through the simulator with the server's limits and the calibrated steps, their row
-    residuals added (times `speed`)."""
+def calibrated_step(calibration: Calibration) -> tuple[Callable[[BatchShape], float], int]:
+    """The server's step seconds as the calibration prices them, row residuals added; and its index_topk."""
     costs, _peaks, _plan = catalogue_costs(deployment_of(calibration.fingerprint))
     residuals = RowResiduals.of(calibration.document)
 
     def step_seconds(batch: BatchShape) -> float:
-        return speed * (step_time(costs, calibration.peaks, calibration.parameters, batch)
-                        + residuals.at(batch.new_tokens))
+        return step_time(costs, calibration.peaks, calibration.parameters, batch) + residuals.at(batch.new_tokens)
+    return step_seconds, costs.index_topk
 
+
+def simulate_endpoint(calibration: Calibration, shape: ServerShape, specs: list[RequestSpec],
+                      speed: float = 1.0) -> SimulationResult:
+    """The workload through the simulator with the server's limits and the calibrated steps (times `speed`)."""
+    calibrated, index_topk = calibrated_step(calibration)
     config = SchedulerConfig(num_pages=shape.capacity_tokens // shape.page_size, page_size=shape.page_size,
                              max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
                              max_model_len=shape.max_model_len)
-    return Simulation(config, model_step_time(step_seconds, costs.index_topk)).run(list(specs))
+    return Simulation(config, model_step_time(lambda batch: speed * calibrated(batch), index_topk)).run(
+        list(specs))
 
 
 async def slowdown(client: Client, document: dict[str, Any], vocab_size: int) -> float:
