@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +54,10 @@ class ModelStepTime:
     def decodes(self, count: int, context_tokens: int, max_context: int, selected_tokens: int) -> float:
         sparse = {"decode_selected_tokens": selected_tokens, "prefill_selected_pairs": 0} if self.index_topk else {}
         return self.step_seconds(BatchShape(count, context_tokens, max_context, **sparse))
+
+    def for_replica(self, index: int, clock: Callable[[], float]) -> ModelStepTime:
+        """What replica `index` calls (at simulated time `clock()`): this one for all; a recorder keeps one each."""
+        return self
 
 
 def model_step_time(step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> ModelStepTime:
@@ -113,9 +118,10 @@ class Replica:
         self.env = env
         self.index = index
         self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size))
-        self.step_time = step_time
         self.sim = sim
         self.fast_forward = fast_forward and isinstance(step_time, ModelStepTime)
+        self.step_time = (step_time.for_replica(index, lambda: env.now) if isinstance(step_time, ModelStepTime)
+                          else step_time)
         self.steps = 0                  # steps this replica ran
         self._no_window_until = 0       # the step before which no decode window can be long enough
         self.wakeup = env.event()
@@ -180,6 +186,7 @@ class Replica:
         if (self.steps < self._no_window_until or not count
                 or scheduler.admissible(config.max_num_batched_tokens - count) is not None
                 or running[-1].num_uncomputed_tokens != 1       # the newest, the likeliest to be in prefill
+                or not all(seq.output_token_ids for seq in running)     # one prompt token left is no decode yet
                 or scheduler.decode_prefix(config.max_num_batched_tokens) < count):     # all decode, in budget
             return 0
         # the step a sequence finishes in runs the usual way, and none is long enough until that one has finished
@@ -226,17 +233,23 @@ class Replica:
 class Simulation:
     """Requests of a workload through `replicas` engines behind a router."""
 
-    def __init__(self, config: SchedulerConfig, step_time: StepTime | Callable[[int], StepTime], replicas: int = 1,
+    def __init__(self, config: SchedulerConfig, step_time: StepTime, replicas: int = 1,
                  router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
-                 give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True) -> None:
+                 give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True,
+                 request_overhead_s: float = 0.0) -> None:
         """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
         says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
-        stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form)."""
+        stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form).
+        `request_overhead_s`: each request reaches the scheduler that long after it arrives (the API server's time,
+        `StepParameters.request_overhead_s`); its TTFT and end-to-end latency include it."""
         if router not in ROUTERS:
             raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
         if not isinstance(replicas, int) or replicas <= 0:
             raise PlannerError(f"the number of replicas must be a positive integer, got {replicas!r}")
+        if not (math.isfinite(request_overhead_s) and request_overhead_s >= 0):
+            raise PlannerError(f"the request overhead must be >= 0 seconds, got {request_overhead_s!r}")
         self.config = config
+        self.request_overhead_s = request_overhead_s
         self.env = simpy.Environment()
         self.timings: dict[int, RequestTiming] = {}
         self.steps: list[StepRecord] = []
@@ -298,6 +311,14 @@ class Simulation:
         seq = Sequence([0] * request.prompt_tokens, SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
                        seq_id=request.request_id)
         self.timings[request.request_id] = RequestTiming(request.request_id, self.env.now, request.prompt_tokens)
+        if self.request_overhead_s:
+            self.env.process(self._admit_later(seq))
+        else:
+            self._route().submit(seq)
+
+    def _admit_later(self, seq: Sequence):
+        """Hands a request to a replica once the API server has taken its time over it."""
+        yield self.env.timeout(self.request_overhead_s)
         self._route().submit(seq)
 
     def _open_arrivals(self, requests: list[RequestSpec]):
