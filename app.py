@@ -46,23 +46,30 @@ def show_plan(deployment: Deployment) -> None:
     view = dashboard.plan_view(deployment)
     summary, details = view["summary"], view["details"]
     st.subheader(f"{deployment.model} on {deployment.gpus} x {deployment.hardware}")
+    bars = summary["uncertainty_pct"] or {}
     columns = st.columns(4)
     columns[0].metric("Max context (tokens)", f"{summary['max_context_tokens']:,}")
     columns[1].metric("Max concurrency", f"{summary['max_concurrency']:,}", help=f"at {deployment.context} tokens")
-    columns[2].metric("Decode", f"{summary['decode_tokens_per_s']:,.0f} tok/s")
-    columns[3].metric("Prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s")
+    columns[2].metric("Decode", f"{summary['decode_tokens_per_s']:,.0f} tok/s" + pm(bars, "decode_tokens_per_s"))
+    columns[3].metric("Prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s" + pm(bars, "prefill_tokens_per_s"))
     columns = st.columns(4)
     cost = summary["cost_per_million_tokens"]
-    columns[0].metric("Cost per 1M output tokens", "-" if cost is None else f"${cost:,.3f}")
+    columns[0].metric("Cost per 1M output tokens",
+                      "-" if cost is None else f"${cost:,.3f}" + pm(bars, "cost_per_million_tokens"))
     columns[1].metric("Weights per GPU", f"{summary['weights_bytes_per_gpu'] / GIB:.1f} GiB")
     columns[2].metric("KV capacity (tokens)", f"{summary['kv_capacity_tokens']:,}")
     columns[3].metric("KV bytes per token per GPU", f"{summary['kv_bytes_per_token_per_gpu']:,}")
     st.plotly_chart(view["figure"], key="plan-memory")
     st.plotly_chart(view["concurrency"], key="plan-concurrency")
     st.caption(f"Max context limited by {details['max_context_reason']}; step times from "
-               f"{details['parameters_source']}.")
+               f"{details['parameters_source']}." + ("" if bars else " Uncalibrated: no error bars."))
     for note in details["notes"]:
         st.warning(note)
+
+
+def pm(bars: dict[str, float | None], figure: str) -> str:
+    """' ±x%' where the figure has an error bar."""
+    return "" if bars.get(figure) is None else f" ±{bars[figure]:g}%"
 
 
 def show_compare(deployment: Deployment) -> None:
@@ -105,9 +112,12 @@ def show_simulate(deployment: Deployment) -> None:
     view = dashboard.simulate_view(deployment, workload, slo_ttft or None, slo_tpot or None, [1, 8, 32, 64, 128, 256])
     report = view["report"]
     columns = st.columns(4)
-    columns[0].metric("TTFT p99", f"{report['ttft_p99_s']:.3f} s")
-    columns[1].metric("TPOT p99", f"{report['tpot_p99_s']:.4f} s" if report["tpot_p99_s"] is not None else "-")
-    columns[2].metric("Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s")
+    bars = view["uncertainty_pct"] or {}
+    columns[0].metric("TTFT p99", f"{report['ttft_p99_s']:.3f} s" + pm(bars, "ttft_p99_s"))
+    columns[1].metric("TPOT p99", f"{report['tpot_p99_s']:.4f} s" + pm(bars, "tpot_p99_s")
+                      if report["tpot_p99_s"] is not None else "-")
+    columns[2].metric("Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s"
+                      + pm(bars, "output_tokens_per_s"))
     columns[3].metric("Preemptions", report["preemptions"])
     st.plotly_chart(view["latency"], key="sim-latency")
     st.plotly_chart(view["kv"], key="sim-kv")

@@ -12,6 +12,8 @@ very model profiled, as verification uses it).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -32,7 +34,20 @@ from planner.step_model import (BatchShape, MeasuredLinears, ModelCosts, Peaks, 
 
 CALIBRATION_VERSION = 1
 ENDPOINT_VERSION_PREFIX = "endpoint:"     # the engine_version of a calibration made against a running server
+BENCHMARKS_VERSION_PREFIX = "benchmarks:"   # ... of one fitted to serving benchmark files (`planner.benchmark_fit`)
 PROFILES = Path(__file__).resolve().parent / "profiles"
+# the committed fit to the catalogue of public measurements (bench/gpu_calibration.py writes it): the default for
+# the GPU kinds it covers, where no calibration was made for exactly the deployment's model and dtypes
+PUBLIC_BENCHMARKS = PROFILES / "public-benchmarks.calibration.json"
+# which error bar each figure the planner prints carries: the cross-validated error of the measured figure it is
+# (`planner.benchmark_fit.uncertainty`)
+FIGURE_ERRORS = {"decode_tokens_per_s": "output_tokens_per_s", "cost_per_million_tokens": "output_tokens_per_s",
+                 "single_stream_decode_tokens_per_s": "single_stream", "prefill_tokens_per_s": "ttft",
+                 "throughput_tokens_per_s": "output_tokens_per_s", "output_tokens_per_s": "output_tokens_per_s",
+                 "ttft_p50_s": "ttft", "ttft_p99_s": "ttft", "tpot_p50_s": "time_between_tokens",
+                 "tpot_p99_s": "time_between_tokens", "e2e_p50_s": "time_between_tokens",
+                 "max_rate_rps": "output_tokens_per_s", "tokens_per_s_per_gpu": "output_tokens_per_s",
+                 "tokens_per_s_per_user": "time_between_tokens", "usd_per_million_tokens": "output_tokens_per_s"}
 MAX_MAPE_PCT = 15.0
 PARAMETER_NAMES = tuple(item.name for item in fields(StepParameters))
 # each coefficient's (lower bound, upper bound, typical size for the solver's scaling), by name
@@ -41,10 +56,15 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
                                                   "dequant_efficiency", "compute_efficiency", "attention_efficiency")},
           "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
           "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
-          "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6)}
+          "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6),
+          "request_overhead_s": (0.0, 2.0, 1e-2),
+          "expert_gemm_scale": (0.01, 1.5, 0.1)}
 # coefficients one model's profile cannot tell from the step overhead (its kernels are as many at every point):
 # fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
+# coefficients a profile never fits: it times steps, not requests; a CPU runs the experts with the dense layers'
+# matmul kernels
+NOT_FROM_PROFILES = ("request_overhead_s", "expert_gemm_scale")
 # what profiles fitted together must share: everything but the depth (and the timings)
 SAME_SETUP = ("engine_version", "device", "hardware", "model", "weights", "group_size", "kv_dtype", "compute_dtype",
               "integrity", "threads", "tensor_parallel", "expert_parallel", "num_experts", "page_size")
@@ -54,7 +74,8 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "kv_bandwidth_efficiency": "kv_bytes", "attention_efficiency": "attention_flops",
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
-           "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches"}
+           "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches",
+           "expert_gemm_scale": "expert_flops"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -163,6 +184,8 @@ def free_parameters(points: Points) -> np.ndarray:
     launch cost only where the points launch different numbers of kernels (profiles at several depths), since
     at one count it is the step overhead's twin."""
     def says_something(name: str) -> bool:
+        if name in NOT_FROM_PROFILES:
+            return False
         if name not in TERM_OF:
             return True
         term = getattr(points.terms, TERM_OF[name])
@@ -292,7 +315,7 @@ def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT,
 @dataclass(frozen=True)
 class Calibration:
     parameters: StepParameters
-    peaks: Peaks
+    peaks: Peaks | None                                 # None: fitted to benchmarks against the catalogue's peaks
     fingerprint: dict[str, Any]
     document: dict[str, Any]
     linears: MeasuredLinears | None = None              # for the profiled model only, with its own parameters
@@ -300,9 +323,12 @@ class Calibration:
 
     @classmethod
     def of(cls, document: dict[str, Any], source: str = "calibration") -> Calibration:
+        """A profile's or an endpoint's calibration (its measured peaks), or a benchmark fit's (peaks: null: the
+        catalogue's of each GPU it covers)."""
         try:
             measured = document.get("measured_linears")
-            return cls(StepParameters(**document["parameters"]), Peaks(**document["peaks"]),
+            peaks = document["peaks"]
+            return cls(StepParameters(**document["parameters"]), None if peaks is None else Peaks(**peaks),
                        document["fingerprint"], document,
                        MeasuredLinears.of(measured["linears"]) if measured else None,
                        StepParameters(**measured["parameters"]) if measured else None)
@@ -314,6 +340,34 @@ class Calibration:
         """Made against a running server (`planner.endpoint`): it describes that server's kernels, whatever engine
         it is, so no engine version applies."""
         return str(self.fingerprint.get("engine_version", "")).startswith(ENDPOINT_VERSION_PREFIX)
+
+    @property
+    def from_benchmarks(self) -> bool:
+        """Fitted to serving benchmarks (`planner.benchmark_fit`): any model and dtypes on the GPU kinds it covers."""
+        return str(self.fingerprint.get("engine_version", "")).startswith(BENCHMARKS_VERSION_PREFIX)
+
+    @property
+    def hardware_kinds(self) -> list[str]:
+        kinds = self.fingerprint.get("hardware")
+        return list(kinds) if isinstance(kinds, list) else [kinds]
+
+    @property
+    def uncertainty(self) -> dict[str, float | None]:
+        """The relative error bar (%) of each kind of figure: a benchmark fit's cross-validated ones; a profile's
+        error on its held-out points (step times) for every figure."""
+        if self.from_benchmarks:
+            return dict(self.document["uncertainty_pct"])
+        holdout = self.document.get("holdout_mape_pct")
+        return {kind: holdout for kind in ("time_between_tokens", "ttft", "output_tokens_per_s", "single_stream")}
+
+    def describe(self, name: str) -> str:
+        """Where a plan's parameters came from, for its first line."""
+        if not self.from_benchmarks:
+            return f"calibration {name}"
+        document = self.document
+        return (f"calibrated on {document['num_points']} {document.get('described_as', 'benchmark points')} "
+                f"(median error {document['median_error_pct']['all']:.1f}%, {document['cross_validation']} "
+                f"{document['cross_validated_median_error_pct']['all']:.1f}%; {name})")
 
     def check_matches(self, engine_version: str | None = None, model: str | None = None,
                       weights: str | None = None, kv_dtype: str | None = None) -> None:
@@ -330,8 +384,17 @@ def check_fingerprint(fingerprint: dict[str, Any], what: str, engine_version: st
                                f"make one with `engine profile` for this configuration")
 
 
+@functools.lru_cache(maxsize=16)
+def _read_calibration(path: str, mtime_ns: int) -> dict[str, Any]:
+    return read_json(path, "calibration")
+
+
 def load_calibration(path: str | Path) -> Calibration:
-    document = read_json(path, "calibration")
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        stamp = -1                                  # read_json names the missing or unreadable file
+    document = copy.deepcopy(_read_calibration(str(path), stamp))
     if document.get("version") != CALIBRATION_VERSION:
         raise PlannerError(f"calibration {str(path)!r} has version {document.get('version')!r}; "
                            f"this planner reads version {CALIBRATION_VERSION}")
@@ -344,38 +407,60 @@ def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str
     return path if path.exists() else None
 
 
+@dataclass(frozen=True)
+class DeploymentParameters:
+    """A deployment's step parameters, the peaks a calibration measured (None: the catalogue's), where they came
+    from, and the error bar of each kind of figure (None: uncalibrated defaults, no error bar)."""
+
+    parameters: StepParameters
+    measured_peaks: Peaks | None
+    source: str
+    uncertainty: dict[str, float | None] | None = None
+
+
 def step_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str, calibration: str | None = None,
-                    cuda_graphs: bool | None = None) -> tuple[StepParameters, Peaks | None, str]:
-    """The step parameters of a deployment: (parameters, measured peaks or None, where they came from), from the
-    given calibration (which must match), else a committed one for exactly this setup, else the defaults. What a
+                    cuda_graphs: bool | None = None) -> DeploymentParameters:
+    """The step parameters of a deployment from the given calibration (which must match), else a committed one for
+    exactly this setup, else the committed fit to public benchmarks where it covers this GPU, else the defaults. What a
     profile did not measure comes from the catalogue: the collectives' latency where it ran on one device, the
     cost per kernel launched where it was not profiled at several depths (`HELD`). With CUDA graphs a step
     launches once: no cost per kernel, whatever an eager engine's profile measured."""
     graphs = hardware.cuda_graphs if cuda_graphs is None else cuda_graphs
-    params, measured, source = _fitted_parameters(hardware, model, weights, kv_dtype, calibration)
-    if measured is None and not params.collective_latency_s:
+    fitted = _fitted_parameters(hardware, model, weights, kv_dtype, calibration)
+    params = fitted.parameters
+    if fitted.measured_peaks is None and not params.collective_latency_s:
         params = replace(params, collective_latency_s=hardware.collective_latency(graphs))
     if graphs or not params.kernel_launch_s:
         params = replace(params, kernel_launch_s=hardware.launch_cost(graphs))
-    return params, measured, source
+    return replace(fitted, parameters=params)
 
 
 def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str,
-                       path: str | None) -> tuple[StepParameters, Peaks | None, str]:
+                       path: str | None) -> DeploymentParameters:
     if path is None:
-        found = committed_calibration(hardware.key, model, weights, kv_dtype)
+        found = committed_calibration(hardware.key, model, weights, kv_dtype) or _public_benchmarks(hardware.key)
         path = str(found) if found else None
     if path is None:
         if hardware.calibrated:
             raise PlannerError(f"hardware {hardware.key!r} is described by a calibration: none exists for "
                                f"{model} {weights}/kv {kv_dtype}; give --calibration")
-        return StepParameters(), None, "defaults (no calibration for this hardware)"
+        return DeploymentParameters(StepParameters(), None, "defaults (no calibration for this hardware: no error bar)")
     calibration = load_calibration(path)
-    fingerprint = calibration.fingerprint
-    if fingerprint.get("hardware") != hardware.key:
-        raise PlannerError(f"calibration {path!r} was made on {fingerprint.get('hardware')!r}, not {hardware.key!r}")
-    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape
-    calibration.check_matches(engine_version=None if calibration.from_endpoint else engine_version(),
-                              weights=weights, kv_dtype=kv_dtype)
+    if hardware.key not in calibration.hardware_kinds:
+        raise PlannerError(f"calibration {path!r} was made on {', '.join(map(str, calibration.hardware_kinds))}, "
+                           f"not {hardware.key!r}")
+    # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape; a fit to
+    # benchmarks spans the engines, models and dtypes of its points
+    if not calibration.from_benchmarks:
+        calibration.check_matches(engine_version=None if calibration.from_endpoint else engine_version(),
+                                  weights=weights, kv_dtype=kv_dtype)
     peaks = calibration.peaks if hardware.calibrated else None
-    return calibration.parameters, peaks, f"calibration {Path(path).name}"
+    return DeploymentParameters(calibration.parameters, peaks, calibration.describe(Path(path).name),
+                                calibration.uncertainty)
+
+
+def _public_benchmarks(hardware: str) -> Path | None:
+    """The committed fit to public measurements, where it covers this GPU kind."""
+    if not PUBLIC_BENCHMARKS.exists():
+        return None
+    return PUBLIC_BENCHMARKS if hardware in load_calibration(PUBLIC_BENCHMARKS).hardware_kinds else None

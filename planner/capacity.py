@@ -12,15 +12,16 @@ tokens per step. Cost per million output tokens: GPU-hours of the whole deployme
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from engine.config import SchedulerConfig
 from engine.metrics import RequestTiming
 from engine.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.spec import ModelSpec
 
-from planner.calibration import step_parameters
+from planner.calibration import FIGURE_ERRORS, step_parameters
 from planner.errors import PlannerError
 from planner.hardware import HardwareSpec, get_hardware
 from planner.memory_plan import (DEFAULT_BATCHED_TOKENS, DEFAULT_CONTEXT, DEFAULT_MAX_SEQS, MemoryPlan, Parallelism,
@@ -88,6 +89,7 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
     return ModelCosts(
         dense_weight_bytes=dense,
         linear_flops_per_token=model.linear_flops_per_token / parallel.tp,
+        expert_flops_per_token=2.0 * ffn.moe_layers * ffn.experts_per_token * model.expert_parameters / parallel.tp,
         **{name: flops / attention_tp for name, flops in model.attention_flops().items()},
         kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
         head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / parallel.tp,
@@ -120,6 +122,8 @@ class Capacity:
     notes: list[str] = field(default_factory=list)
     minimum_gpus: int | None = None     # where it does not fit: the fewest GPUs of this kind that serve one request
     index_topk: int = 0                 # sparse attention: the tokens a query reads (0: dense); BatchShape.of needs it
+    request_overhead_s: float = 0.0     # the API server's time per request (`StepParameters.request_overhead_s`)
+    uncertainty: dict[str, float | None] | None = None  # error bar (%) by kind of figure (`Calibration.uncertainty`)
 
     @property
     def fits(self) -> bool:
@@ -160,7 +164,22 @@ class Capacity:
             "single_stream_decode_tokens_per_s": round(self.single_stream_tokens_per_s, 3),
             "fits": self.fits,
             "note": self.note,
-        }
+        } | self.error_bars()
+
+    def error_bars(self) -> dict:
+        """Each throughput and cost figure's relative error bar (`uncertainty_pct`, from the calibration's
+        cross-validation; null for uncalibrated defaults) and the band it spans, `*_low` .. `*_high`."""
+        values = {"decode_tokens_per_s": self.decode_tokens_per_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                  "single_stream_decode_tokens_per_s": self.single_stream_tokens_per_s,
+                  "cost_per_million_tokens": None if self.cost_per_million_tokens == float("inf")
+                  else self.cost_per_million_tokens}
+        bars = figure_uncertainty(self.uncertainty, values)
+        out: dict = {"uncertainty_pct": bars or None}
+        for name, pct in bars.items():
+            if values[name] is not None and pct is not None:
+                low, high = band(values[name], pct)
+                out |= {f"{name}_low": round(low, 4), f"{name}_high": round(high, 4)}
+        return out
 
     def details(self) -> dict:
         return {
@@ -189,6 +208,7 @@ class Costing:
     params: StepParameters
     source: str
     costs: ModelCosts
+    uncertainty: dict[str, float | None] | None = None  # error bar (%) by kind of figure; None: defaults, none known
 
     def step(self, batch: BatchShape) -> float:
         return step_time(self.costs, self.peaks, self.params, batch)
@@ -204,14 +224,15 @@ class Costing:
 def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
     weight_scheme(model, deployment.weights, deployment.group_size)
-    params, measured, source = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
-                                               deployment.calibration, deployment.cuda_graphs)
+    fitted = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
+                             deployment.calibration, deployment.cuda_graphs)
+    params, measured = fitted.parameters, fitted.measured_peaks
     if measured is not None:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
     hardware = hardware.with_price(deployment.gpu_hour_usd)
     plan = _memory_plan(deployment, model, hardware)
     peaks = _peaks(deployment, hardware, measured.link_bytes_per_s if measured is not None else None)
-    return Costing(hardware, plan, peaks, params, source, model_costs(model, plan))
+    return Costing(hardware, plan, peaks, params, fitted.source, model_costs(model, plan), fitted.uncertainty)
 
 
 def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPlan]:
@@ -259,7 +280,27 @@ def evaluate(deployment: Deployment) -> Capacity:
     return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
                     1.0 / single if single else 0.0, prefill, decode_step, cost, hardware.gpu_hour_usd, costed.source,
                     costed.step, costed.parts, notes,
-                    None if per_replica else minimum_gpus(deployment, model, hardware), topk)
+                    None if per_replica else minimum_gpus(deployment, model, hardware), topk,
+                    costed.params.request_overhead_s, costed.uncertainty)
+
+
+def deployment_uncertainty(deployment: Deployment) -> dict[str, float | None] | None:
+    """The error bars of the deployment's calibration, by kind of figure (None: uncalibrated defaults)."""
+    return step_parameters(get_hardware(deployment.hardware), deployment.model, deployment.weights,
+                           deployment.kv_dtype, deployment.calibration, deployment.cuda_graphs).uncertainty
+
+
+def figure_uncertainty(uncertainty: dict[str, float | None] | None, figures: Iterable[str]) -> dict[str, float | None]:
+    """The error bar (%) of each named figure (`planner.calibration.FIGURE_ERRORS`); empty without a calibration."""
+    if uncertainty is None:
+        return {}
+    return {name: uncertainty.get(FIGURE_ERRORS[name]) for name in figures if name in FIGURE_ERRORS}
+
+
+def band(value: float, pct: float) -> tuple[float, float]:
+    """The range a figure with a relative error bar of `pct` spans: within a factor of 1 + pct / 100 either way."""
+    factor = 1 + pct / 100
+    return value / factor, value * factor
 
 
 def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> int | None:
@@ -336,18 +377,38 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return round(numerator / denominator, 4) if denominator else None
 
 
-def simulation_setup(deployment: Deployment) -> tuple[SchedulerConfig, StepTime, int]:
-    """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas."""
+@dataclass(frozen=True)
+class SimulationSetup:
+    """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas, and
+    the API server's time per request."""
+
+    config: SchedulerConfig
+    step_time: StepTime
+    replicas: int
+    request_overhead_s: float = 0.0
+
+    def simulation(self, **options: Any) -> Simulation:
+        """A simulation of the deployment (`Simulation`'s options: router, record_steps, progress, give_up)."""
+        return Simulation(self.config, self.step_time, self.replicas, request_overhead_s=self.request_overhead_s,
+                          **options)
+
+
+def simulation_setup(deployment: Deployment) -> SimulationSetup:
     result = evaluate(deployment)
     plan = result.plan
     if plan.kv_pages_per_replica <= 0:
         raise PlannerError(f"{deployment.model} leaves no room for a KV cache on {deployment.gpus} x "
                            f"{deployment.hardware} with {deployment.weights} weights")
-    config = SchedulerConfig(num_pages=plan.kv_pages_per_replica, page_size=plan.page_size,
-                             max_num_seqs=deployment.max_num_seqs,
-                             max_num_batched_tokens=deployment.max_num_batched_tokens,
-                             max_model_len=plan.max_position_embeddings)
-    return config, model_step_time(result.step_seconds, result.index_topk), plan.parallel.replicas
+    return SimulationSetup(scheduler_config(plan, deployment), model_step_time(result.step_seconds, result.index_topk),
+                           plan.parallel.replicas, result.request_overhead_s)
+
+
+def scheduler_config(plan: MemoryPlan, deployment: Deployment) -> SchedulerConfig:
+    """One replica's scheduler: its KV pool from the memory plan, its limits from the deployment."""
+    return SchedulerConfig(num_pages=plan.kv_pages_per_replica, page_size=plan.page_size,
+                           max_num_seqs=deployment.max_num_seqs,
+                           max_num_batched_tokens=deployment.max_num_batched_tokens,
+                           max_model_len=plan.max_position_embeddings)
 
 
 def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
@@ -355,8 +416,8 @@ def simulate(deployment: Deployment, workload: Workload, router: str = "least-lo
              give_up: Callable[[RequestTiming], bool] | None = None) -> SimulationResult:
     """The workload through the deployment's replicas, each running the engine's scheduler (stopped early where
     `give_up` says the outcome is settled)."""
-    config, step, replicas = simulation_setup(deployment)
-    return Simulation(config, step, replicas, router, record_steps, progress, give_up).run(workload)
+    return simulation_setup(deployment).simulation(router=router, record_steps=record_steps, progress=progress,
+                                                   give_up=give_up).run(workload)
 
 
 def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:

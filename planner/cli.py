@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="planner", description="Capacity planning for LLM serving, calibrated on a real engine.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile or a live server")
+    calibrate = commands.add_parser("calibrate", help="fit the step-time model to an engine profile, a live server or "
+                                                      "serving benchmark results")
     calibrate.add_argument("profile", nargs="?", help="a profile written by `engine profile`")
     calibrate.add_argument("other_depths", nargs="*", metavar="profile_at_other_depth",
                            help="profiles of the same setup at other --num-layers: the cost per kernel is fitted too")
@@ -31,14 +32,24 @@ def build_parser() -> argparse.ArgumentParser:
                            help="refuse a fit whose error in any regime is above this percentage (default 15)")
     calibrate.add_argument("--endpoint", default=None,
                            help="an OpenAI-compatible server (kvplan, vLLM, SGLang) to time from the outside")
-    calibrate.add_argument("--model", default=None, help="--endpoint: the model it serves (a preset or config.json)")
-    calibrate.add_argument("--hardware", default=None, help="--endpoint: the GPU kind it runs on")
-    calibrate.add_argument("--gpus", type=int, default=1, help="--endpoint: GPUs of one replica")
-    calibrate.add_argument("--tp", type=int, default=None, help="--endpoint: tensor parallelism (default: all GPUs)")
-    calibrate.add_argument("--expert-parallel", action="store_true", help="--endpoint: experts spread over the GPUs")
-    calibrate.add_argument("--weights", default="bf16",
-                           help="--endpoint: the weights it serves, as the planner names them")
-    calibrate.add_argument("--kv", default="bf16", help="--endpoint: its KV dtype")
+    calibrate.add_argument("--benchmark", nargs="+", default=None, metavar="FILE",
+                           help="serving benchmark results: vLLM --save-result JSON, SGLang bench_serving JSONL, "
+                                "guidellm report JSON, or the planner's CSV (planner/data/benchmarks/README.md)")
+    calibrate.add_argument("--model", default=None,
+                           help="--endpoint, --benchmark: the model it serves (a preset or config.json)")
+    calibrate.add_argument("--hardware", default=None, help="--endpoint, --benchmark: the GPU kind it runs on")
+    calibrate.add_argument("--gpus", type=int, default=None, help="--endpoint (default 1), --benchmark: GPUs of one "
+                                                                 "replica")
+    calibrate.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: all GPUs)")
+    calibrate.add_argument("--expert-parallel", action="store_true", help="experts spread over the GPUs")
+    calibrate.add_argument("--weights", default=None,
+                           help="the weights it serves, as the planner names them (--endpoint default: bf16)")
+    calibrate.add_argument("--kv", default=None, help="its KV dtype (--endpoint default: bf16)")
+    calibrate.add_argument("--hold-out", default="", metavar="MODELS",
+                           help="--benchmark: comma-separated models whose points are predicted, not fitted")
+    calibrate.add_argument("--max-cv-error", type=float, default=None,
+                           help="--benchmark: refuse a fit whose cross-validated median error of TPOT, ITL or "
+                                "output tokens/s is above this percentage (default 25)")
     calibrate.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
     calibrate.add_argument("--prefill-tokens", type=int, nargs="+", default=None,
                            help="--endpoint: prompts timed alone")
@@ -207,6 +218,11 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
 
 
+def _pm(bars: dict[str, float | None], figure: str) -> str:
+    """' ±x%' where the figure has an error bar."""
+    return "" if bars.get(figure) is None else f" ±{bars[figure]:g}%"
+
+
 def _gib(value: int) -> str:
     return f"{value / (1 << 30):.2f} GiB"
 
@@ -220,6 +236,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print(json.dumps(summary))
         return
     plan = result.plan
+    bars = summary["uncertainty_pct"] or {}
     lines = [f"{args.model} on {args.gpus} x {args.hardware}, weights {args.weights}, KV {args.kv}, "
              f"context {args.context} ({result.parameters_source})", "", "per GPU:"]
     lines += [f"  {name:22s} {_gib(value)}" for name, value in plan.breakdown().items()]
@@ -227,11 +244,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
               f"  {'KV capacity':22s} {summary['kv_capacity_tokens']} tokens",
               f"  {'max context':22s} {summary['max_context_tokens']} tokens (limited by {plan.max_context_reason})",
               f"  {'max concurrency':22s} {summary['max_concurrency']} requests of {args.context} tokens",
-              f"  {'decode':22s} {summary['decode_tokens_per_s']:.1f} tokens/s "
-              f"(single stream {result.single_stream_tokens_per_s:.1f})",
-              f"  {'prefill':22s} {summary['prefill_tokens_per_s']:.1f} tokens/s",
-              f"  {'cost':22s} {summary['cost_per_million_tokens']} USD per million output tokens "
-              f"at {result.gpu_hour_usd} USD/GPU-hour"]
+              f"  {'decode':22s} {summary['decode_tokens_per_s']:.1f} tokens/s{_pm(bars, 'decode_tokens_per_s')} "
+              f"(single stream {result.single_stream_tokens_per_s:.1f}"
+              f"{_pm(bars, 'single_stream_decode_tokens_per_s')})",
+              f"  {'prefill':22s} {summary['prefill_tokens_per_s']:.1f} tokens/s{_pm(bars, 'prefill_tokens_per_s')}",
+              f"  {'cost':22s} {summary['cost_per_million_tokens']} USD per million output tokens"
+              f"{_pm(bars, 'cost_per_million_tokens')} at {result.gpu_hour_usd} USD/GPU-hour"]
+    if not bars:
+        lines.append("  (uncalibrated defaults: these figures carry no error bar)")
     lines += [f"note: {note}" for note in result.all_notes]
     if not result.fits:
         lines.insert(1, "DOES NOT FIT: " + result.all_notes[-1])
@@ -275,8 +295,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise PlannerError(f"the folder of --out {str(out)!r} does not exist")
-    if (args.profile is None) == (args.endpoint is None):
-        raise PlannerError("give a profile or --endpoint URL, one of them")
+    if sum(given is not None for given in (args.profile, args.endpoint, args.benchmark)) != 1:
+        raise PlannerError("give a profile, --endpoint URL or --benchmark FILE..., one of them")
+    if args.benchmark is not None:
+        _calibrate_benchmarks(args, out)
+        return
     if args.endpoint is not None:
         calibration = _calibrate_endpoint(args, max_mape)
     else:
@@ -302,9 +325,24 @@ def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, 
                         ("repeats", args.repeats)):
         if value is not None:
             sweep = replace(sweep, **{name: tuple(value) if isinstance(value, list) else value})
-    deployment = Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=args.weights,
-                            kv_dtype=args.kv, tensor_parallel=args.tp, expert_parallel=args.expert_parallel)
+    deployment = Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus or 1, weights=args.weights or "bf16",
+                            kv_dtype=args.kv or "bf16", tensor_parallel=args.tp, expert_parallel=args.expert_parallel)
     return calibrate_endpoint(args.endpoint, deployment, sweep, max_mape, args.served_model_name)
+
+
+def _calibrate_benchmarks(args: argparse.Namespace, out: Path) -> None:
+    from planner.benchmark_fit import MAX_CV_MEDIAN_PCT, calibrate_benchmarks, fit_report_lines
+    from planner.benchmark_files import PointDefaults, read_benchmarks
+
+    threshold = MAX_CV_MEDIAN_PCT if args.max_cv_error is None else args.max_cv_error
+    if not threshold > 0:
+        raise PlannerError(f"--max-cv-error must be positive, got {threshold!r}")
+    defaults = PointDefaults(model=args.model, hardware=args.hardware, gpus=args.gpus, tensor_parallel=args.tp,
+                             expert_parallel=args.expert_parallel, weights=args.weights, kv_dtype=args.kv)
+    points = read_benchmarks(args.benchmark, defaults)
+    document = calibrate_benchmarks(points, held_out=_csv(args.hold_out), max_cv_median_pct=threshold)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    _emit(document, args.json, "\n".join(fit_report_lines(document)))
 
 
 SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -313,23 +351,27 @@ SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", 
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from planner.capacity import simulate
+    from planner.capacity import deployment_uncertainty, figure_uncertainty, simulate
     from planner.workload import LengthDistribution, Workload
 
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, users=args.users, think_time_s=args.think_time,
                         prompt=LengthDistribution.parse(args.prompt_tokens),
                         output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
-    result = simulate(_deployment(args, args.weights, args.kv), workload, args.router, progress=not args.json)
+    deployment = _deployment(args, args.weights, args.kv)
+    result = simulate(deployment, workload, args.router, progress=not args.json)
     report = result.report(args.slo_ttft, args.slo_tpot)
     payload = {key: report.get(key) for key in SIMULATE_KEYS}
     if args.slo_ttft is not None or args.slo_tpot is not None:
         payload["goodput_requests_per_s"] = report["goodput_requests_per_s"]
+    bars = figure_uncertainty(deployment_uncertainty(deployment), payload)
+    payload["uncertainty_pct"] = bars or None
     if args.json:
         print(json.dumps(payload))
         return
-    print("\n".join(f"{key:26s} {value:.4g}" if isinstance(value, float) else f"{key:26s} {value}"
-                    for key, value in payload.items()))
+    print("\n".join([f"{key:26s} {value:.4g}{_pm(bars, key)}" if isinstance(value, float) else f"{key:26s} {value}"
+                     for key, value in payload.items() if key != "uncertainty_pct"]
+                    + ([] if bars else ["(uncalibrated defaults: these figures carry no error bar)"])))
 
 
 def _csv(text: str, convert=str) -> tuple:
@@ -373,13 +415,15 @@ def cmd_search(args: argparse.Namespace) -> None:
              f"{len(rows)} meet the SLOs"]
     if note:
         lines.append(note)
-    header = (f"{'configuration':58s} {'rate/s':>8s} {'tok/s/GPU':>10s} {'tok/s/user':>10s} {'TTFT p99':>9s} "
+    header = (f"{'configuration':58s} {'rate/s':>8s} {'±':>5s} {'tok/s/GPU':>10s} {'tok/s/user':>10s} {'TTFT p99':>9s} "
               f"{'TPOT p99':>9s} {'USD/h':>8s} {'USD/Mtok':>9s}")
     lines += ["", header] if rows else []
     for row in rows[:20]:
         user = "-" if row["tokens_per_s_per_user"] is None else f"{row['tokens_per_s_per_user']:.1f}"
         tpot = "-" if row["tpot_p99_s"] is None else f"{row['tpot_p99_s']:.4f}"
-        lines.append(f"{row['configuration']:58s} {row['max_rate_rps']:8.3f} {row['tokens_per_s_per_gpu']:10.1f} "
+        bar = (row["uncertainty_pct"] or {}).get("max_rate_rps")
+        bar = "-" if bar is None else f"{bar:g}%"
+        lines.append(f"{row['configuration']:58s} {row['max_rate_rps']:8.3f} {bar:>5s} {row['tokens_per_s_per_gpu']:10.1f} "
                      f"{user:>10s} {row['ttft_p99_s']:9.3f} {tpot:>9s} {row['usd_per_hour']:8.2f} "
                      f"{row['usd_per_million_tokens']:9.4f}")
     for item in deploy:

@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from planner import plots
-from planner.capacity import (Deployment, evaluate, kv_dtype_comparison, simulate, simulation_setup,
-                              weight_dtype_comparison)
+from planner.capacity import (Deployment, deployment_uncertainty, evaluate, figure_uncertainty, kv_dtype_comparison,
+                              simulate, simulation_setup, weight_dtype_comparison)
 from planner.errors import PlannerError
 from planner.memory_plan import KV_DTYPES
 from planner.models import get_model, spec_from_config
 from planner.search import SearchSpace, Slo, preset_workload, run_search
 from planner.sweep import DEFAULT_CACHE, ResultCache
-from planner.simulator import Simulation
 from planner.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,16 +97,17 @@ def simulate_view(deployment: Deployment, workload: Workload, slo_ttft_s: float 
                   slo_tpot_s: float | None, curve_users: list[int]) -> dict[str, Any]:
     result = simulate(deployment, workload, record_steps=True)
     report = result.report(slo_ttft_s, slo_tpot_s)
-    config, step, replicas = simulation_setup(deployment)
+    setup = simulation_setup(deployment)
+    bars = figure_uncertainty(deployment_uncertainty(deployment), report) or None
     curve = []
     for users in curve_users:
         closed = replace(workload, arrival="closed", users=users, num_requests=max(2 * users, 40))
-        point = Simulation(config, step, replicas, record_steps=False).run(closed).report()
+        point = setup.simulation(record_steps=False).run(closed).report()
         curve.append({"users": users, "output_tokens_per_s": point["output_tokens_per_s"],
                       "tpot_p99_s": point["tpot_p99_s"]})
     return {"report": report, "latency": plots.latency_percentiles(report),
-            "kv": plots.kv_utilization(result.steps, config.num_pages),
-            "curve": plots.throughput_curve(curve, slo_tpot_s), "curve_points": curve}
+            "kv": plots.kv_utilization(result.steps, setup.config.num_pages),
+            "curve": plots.throughput_curve(curve, slo_tpot_s, bars), "curve_points": curve, "uncertainty_pct": bars}
 
 
 def verification_reports() -> list[Path]:

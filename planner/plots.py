@@ -29,10 +29,24 @@ def comparison_bars(rows: list[dict[str, Any]], metric: str, title: str) -> go.F
     return figure
 
 
-def throughput_curve(points: list[dict[str, float]], slo_tpot_s: float | None = None) -> go.Figure:
-    """Output throughput and TPOT p99 against concurrency (closed-loop users), with the TPOT SLO line."""
+def throughput_curve(points: list[dict[str, float]], slo_tpot_s: float | None = None,
+                     uncertainty_pct: dict[str, float | None] | None = None) -> go.Figure:
+    """Output throughput and TPOT p99 against concurrency (closed-loop users), with the TPOT SLO line and, where the
+    calibration has them, the error bands of both (within a factor of 1 + pct / 100 either way)."""
     users = [p["users"] for p in points]
     figure = go.Figure()
+    for key, axis, color in (("output_tokens_per_s", "y", "rgba(31,119,180,0.15)"),
+                             ("tpot_p99_s", "y2", "rgba(255,127,14,0.15)")):
+        pct = (uncertainty_pct or {}).get(key)
+        values = [p[key] for p in points]
+        if pct is None or None in values:
+            continue
+        factor = 1 + pct / 100
+        figure.add_scatter(x=users, y=[v * factor for v in values], mode="lines", line_width=0, yaxis=axis,
+                           showlegend=False, hoverinfo="skip")
+        figure.add_scatter(x=users, y=[v / factor for v in values], mode="lines", line_width=0, yaxis=axis,
+                           fill="tonexty", fillcolor=color, name=f"±{pct:g}% ({key.split('_')[0]})",
+                           hoverinfo="skip")
     figure.add_scatter(x=users, y=[p["output_tokens_per_s"] for p in points], name="output tokens/s",
                        mode="lines+markers")
     figure.add_scatter(x=users, y=[p["tpot_p99_s"] for p in points], name="TPOT p99 (s)", mode="lines+markers",

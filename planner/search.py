@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from engine.metrics import RequestTiming
-from planner.capacity import HOURS, Deployment, evaluate, simulation_setup
+from planner.capacity import (HOURS, Deployment, deployment_uncertainty, evaluate, figure_uncertainty,
+                              simulation_setup)
 from planner.errors import PlannerError
 from planner.hardware import get_hardware
 from planner.models import get_model, repository
-from planner.simulator import Simulation
 from planner.step_model import BatchShape
 from planner.sweep import ResultCache, run_tasks
 from planner.workload import LengthDistribution, RequestSpec, Workload
@@ -217,13 +217,12 @@ def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: flo
     the rate found is within (step - 1) / 2**bisections of the answer, relatively (6% by default: as fine as a
     plan needs; 5 simulations where the estimate is within `step`). A rate is dropped as soon as its simulation
     has settled a miss (`settled_miss`): overloaded runs, the longest, stop early."""
-    config, step_time, replicas = simulation_setup(deployment)       # once: only the rate changes
+    setup = simulation_setup(deployment)       # once: only the rate changes
 
     def passes(rate: float) -> dict[str, Any] | None:
         at_rate = replace(workload, arrival="poisson", rate=rate)
         requests = at_rate.requests()
-        result = Simulation(config, step_time, replicas, record_steps=False,
-                            give_up=settled_miss(slo, requests)).run(requests)
+        result = setup.simulation(record_steps=False, give_up=settled_miss(slo, requests)).run(requests)
         report = None if result.abandoned else result.report()
         return report if report is not None and slo.met(report) else None
 
@@ -286,6 +285,10 @@ def run_task(task: Task) -> dict[str, Any]:
     return {"candidates": found}
 
 
+ERROR_BARRED = ("max_rate_rps", "tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_p99_s", "tpot_p99_s",
+                "usd_per_million_tokens")
+
+
 @dataclass(frozen=True)
 class Ranked:
     """A configuration that meets the SLOs, at the largest rate it sustains."""
@@ -294,6 +297,7 @@ class Ranked:
     rate: float
     report: dict[str, Any]
     gpu_hour_usd: float
+    uncertainty: dict[str, float | None] | None = None     # the calibration's error bars (None: defaults)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -331,7 +335,8 @@ class Ranked:
                 else round(self.tokens_per_s_per_user, 2),
                 "ttft_p99_s": self.report["ttft_p99_s"], "tpot_p99_s": self.report["tpot_p99_s"],
                 "usd_per_hour": round(self.usd_per_hour, 2),
-                "usd_per_million_tokens": round(self.usd_per_million_tokens, 4)}
+                "usd_per_million_tokens": round(self.usd_per_million_tokens, 4),
+                "uncertainty_pct": figure_uncertainty(self.uncertainty, ERROR_BARRED) or None}
 
 
 @dataclass
@@ -385,7 +390,7 @@ def rank(tasks: list[Task], results: list[dict[str, Any]]) -> tuple[list[Ranked]
                 missed.append(deployment)
                 continue
             price = get_hardware(deployment.hardware).with_price(deployment.gpu_hour_usd).gpu_hour_usd
-            ranked.append(Ranked(deployment, found["rate"], found["report"], price))
+            ranked.append(Ranked(deployment, found["rate"], found["report"], price, deployment_uncertainty(deployment)))
     ranked.sort(key=lambda r: (r.usd_per_million_tokens, -r.rate, r.name()))
     return ranked, missed
 

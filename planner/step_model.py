@@ -17,10 +17,12 @@ it reads those experts' weights, and each costs a fixed `expert_overhead` (gathe
     t_memory  = weight bytes / (bandwidth_efficiency × peak bandwidth)    [one-row steps: gemv_efficiency]
               + widened weight bytes / (dequant_efficiency × peak bandwidth)
               + KV bytes / (kv_bandwidth_efficiency × peak bandwidth)
-    t_compute = linear flops / (compute_efficiency × peak FLOP/s)
+    t_compute = dense linear flops / (compute_efficiency × peak FLOP/s)
+              + routed experts' flops / (compute_efficiency × expert_gemm_scale × peak FLOP/s)
               + attention flops / (attention_efficiency × peak FLOP/s)
     t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
-                + expert_overhead × experts run + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
+                + expert_overhead × experts run + kernel_launch × kernels
+                + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
 Under tensor parallelism every term above is one GPU's share, and the step adds its collectives, which
 wait for the slowest GPU and do not overlap the compute that needs their result:
@@ -78,6 +80,7 @@ class ModelCosts:
     attention_flops_per_pair: float     # per (decode token, cached token) pair: QK and PV over all layers and heads
     kv_bytes_per_token: float
     head_flops_per_sequence: float = 0.0   # 2 × vocab × hidden: logits only for the row each sequence samples
+    expert_flops_per_token: float = 0.0     # the routed experts' part of linear_flops_per_token (grouped GEMMs)
     expert_weight_bytes: float = 0.0    # what this GPU holds of one routed expert in one layer
     num_moe_layers: int = 0
     num_experts: int = 0
@@ -194,6 +197,13 @@ class StepParameters:
     # (a CUDA graph replays them all in one launch); for one model it cannot be told from step_overhead_s, so it
     # is fitted only over profiles at several depths, else it comes from the hardware catalogue
     kernel_launch_s: float = 0.0
+    # per request, not per step: from its arrival at the server to its admission by the scheduler and its first
+    # token's way back (HTTP, tokenization, detokenization): time in the API server, not on the GPU. Fitted to
+    # serving benchmarks' TTFTs; zero for an engine profile, which times steps alone
+    request_overhead_s: float = 0.0
+    # the routed experts' grouped GEMMs against the dense ones: many narrow matrices (an expert's slice under tensor
+    # parallelism is a few hundred columns), each with a few tokens, reach a smaller share of the peak. 1: the same
+    expert_gemm_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -206,6 +216,8 @@ class StepParameters:
                 raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
         if self.overlap > 1:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not 0 < self.expert_gemm_scale <= 1.5:
+            raise ValueError(f"expert_gemm_scale must be in (0, 1.5], got {self.expert_gemm_scale!r}")
         if not 0 < self.linear_scale <= 3:
             raise ValueError(f"linear_scale must be in (0, 3], got {self.linear_scale!r}")
 
@@ -280,6 +292,7 @@ class StepTerms:
     collective_calls: float = 0.0       # tensor parallelism: collectives per step
     collective_wire_bytes: float = 0.0  # what each GPU sends in them (ring algorithms)
     kernel_launches: float = 0.0        # kernels the step launches
+    expert_flops: float = 0.0           # the routed experts' part of linear_flops
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -332,7 +345,8 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire, costs.kernels_per_step)
+                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire, costs.kernels_per_step,
+                     costs.expert_flops_per_token * batch.new_tokens)
 
 
 def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float]:
@@ -357,7 +371,8 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
     memory = (terms.weight_bytes / params.bandwidth_efficiency + terms.gemv_weight_bytes / params.gemv_efficiency
               + terms.dequant_bytes / params.dequant_efficiency
               + terms.kv_bytes / params.kv_bandwidth_efficiency) / peaks.bandwidth_bytes_per_s
-    compute = (terms.linear_flops / params.compute_efficiency
+    compute = ((terms.linear_flops - terms.expert_flops) / params.compute_efficiency
+               + terms.expert_flops / (params.compute_efficiency * params.expert_gemm_scale)
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     shorter = (memory + compute - abs(memory - compute)) / 2
     memory_is_shorter = memory <= compute

@@ -222,10 +222,12 @@ def test_plan_json_has_the_documented_keys():
                          "--kv", "fp8", "--json")
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
-    assert set(payload) == {"weights_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_capacity_tokens",
-                            "max_context_tokens", "max_concurrency", "decode_tokens_per_s", "prefill_tokens_per_s",
-                            "cost_per_million_tokens", "single_stream_decode_tokens_per_s", "fits", "note",
-                            "weights_by_component_per_gpu"}
+    documented = {"weights_bytes_per_gpu", "kv_bytes_per_token_per_gpu", "kv_capacity_tokens", "max_context_tokens",
+                  "max_concurrency", "decode_tokens_per_s", "prefill_tokens_per_s", "cost_per_million_tokens",
+                  "single_stream_decode_tokens_per_s", "fits", "note", "weights_by_component_per_gpu",
+                  "uncertainty_pct"}
+    bands = {f"{name}{end}" for name in (payload["uncertainty_pct"] or {}) for end in ("_low", "_high")}
+    assert set(payload) == documented | bands
     assert sum(payload["weights_by_component_per_gpu"].values()) == payload["weights_bytes_per_gpu"]
     assert payload["kv_bytes_per_token_per_gpu"] == 35_136 and payload["max_concurrency"] > 0
     assert payload["fits"] is True and 0 < payload["single_stream_decode_tokens_per_s"] < payload["decode_tokens_per_s"]

@@ -155,7 +155,7 @@ def test_simulate_cli_json_and_errors():
     payload = json.loads(result.stdout)
     assert set(payload) == {"completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s",
                             "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached",
-                            "preemptions", "kv_utilization_peak", "sim_wall_s"}
+                            "preemptions", "kv_utilization_peak", "sim_wall_s", "uncertainty_pct"}
     assert payload["completed"] == 200 and 0 < payload["kv_utilization_peak"] <= 1
     bad = subprocess.run([sys.executable, "-m", "planner.cli", *args[:-1], "--workload", "bursty"],
                          capture_output=True, text=True, cwd=REPO)
@@ -236,3 +236,27 @@ def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk,
            (fast.num_steps, fast.peak_running, fast.kv_utilization_peak, fast.preemptions)
     assert sum(windows) > slow.num_steps / 4, (sum(windows), slow.num_steps)
     assert num_pages > 100 or slow.preemptions > 0
+
+
+def test_a_prompt_whose_last_token_is_left_alone_still_gets_its_first_token():
+    """Two prompts of a whole step's budget: the second's last token is scheduled alone, beside decodes. That step
+    samples its first token, so the fast-forward must not take it for a decode (it once did: no TTFT at all)."""
+    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                             max_model_len=512)
+    requests = [RequestSpec(i, 0.0, 64, 40) for i in range(2)]
+    fast = Simulation(config, model_step_time(toy_step), record_steps=False).run(list(requests))
+    slow = Simulation(config, model_step_time(toy_step), record_steps=False, fast_forward=False).run(list(requests))
+    assert all(t.first_token_s is not None for t in fast.timings)
+    assert [t.first_token_s for t in fast.timings] + [t.finish_s for t in fast.timings] == pytest.approx(
+        [t.first_token_s for t in slow.timings] + [t.finish_s for t in slow.timings], rel=1e-12)
+
+
+def test_the_api_servers_time_delays_each_request_by_as_much():
+    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                             max_model_len=512)
+    alone = Simulation(config, model_step_time(toy_step)).run([RequestSpec(0, 0.0, 100, 10)])
+    served = Simulation(config, model_step_time(toy_step), request_overhead_s=0.25).run([RequestSpec(0, 0.0, 100, 10)])
+    (first,), (second,) = alone.timings, served.timings
+    assert second.ttft_s == pytest.approx(first.ttft_s + 0.25) and second.tpot_s == pytest.approx(first.tpot_s)
+    with pytest.raises(PlannerError, match="request overhead must be >= 0 seconds, got -1"):
+        Simulation(config, model_step_time(toy_step), request_overhead_s=-1)
