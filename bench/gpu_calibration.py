@@ -23,13 +23,16 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from planner.benchmark_files import HELD_OUT_FAMILIES, read_benchmarks
-from planner.benchmark_fit import (MAX_CV_MEDIAN_PCT, PointSetup, calibrate_benchmarks, error_rows,
+from planner.benchmark_fit import (PointSetup, calibrate_benchmarks, error_rows,
                                    fit_report_lines, median_errors, predictions, refusal)
 from planner.calibration import PUBLIC_BENCHMARKS
 from planner.hardware import get_hardware
 from planner.step_model import StepParameters
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "planner" / "data" / "benchmarks"
+# the catalogue mixes four engines (vLLM, SGLang, TensorRT-LLM, NIM) and two years of their versions: its fit is held
+# to 30%, where one user's files (one engine) are held to `planner calibrate`'s 25% (MAX_CV_MEDIAN_PCT)
+CATALOGUE_MAX_CV_PCT = 30.0
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -100,8 +103,8 @@ def main() -> None:
     points = read_benchmarks(sorted(CATALOGUE.glob("*.csv")))
     document = calibrate_benchmarks(points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
                                     described_as="public measurements")
-    refused = refusal(document, MAX_CV_MEDIAN_PCT)
-    document["max_cv_median_pct"] = MAX_CV_MEDIAN_PCT
+    refused = refusal(document, CATALOGUE_MAX_CV_PCT)
+    document["max_cv_median_pct"] = CATALOGUE_MAX_CV_PCT
     setups = [PointSetup.of(point) for point in points if not point.speculative]
     default_rows = with_defaults(setups)
     if not refused:

@@ -198,23 +198,6 @@ def test_cli_calibrates_from_benchmark_files_and_plan_takes_it(tmp_path):
     assert refused.returncode == 2 and "was made on h100-sxm, not 'b200'" in refused.stderr
 
 
-def test_committed_public_calibration_is_the_default_with_error_bars():
-    calibration = load_calibration(PUBLIC_BENCHMARKS)
-    assert {"h100-sxm", "h200"} <= set(calibration.hardware_kinds)
-    document = calibration.document
-    assert document["num_points"] >= 40 and len(document["models"]) >= 4
-    assert not set(document["models"]) & {"kimi-k2.6", "glm-5.2"}
-    assert document["held_out_rows"]                               # Kimi and GLM reported apart
-    result = evaluate(Deployment(model="deepseek-v3", hardware="h200", gpus=8, weights="fp8", kv_dtype="fp8"))
-    assert result.parameters_source.startswith(f"calibrated on {document['num_points']} public measurements")
-    summary = result.summary()
-    assert summary["uncertainty_pct"]["single_stream_decode_tokens_per_s"] == document["uncertainty_pct"][
-        "single_stream"]
-    uncalibrated = evaluate(Deployment(model="llama-3.1-8b", hardware="a100-80gb", gpus=1, weights="bf16",
-                                       kv_dtype="bf16")).summary()
-    assert uncalibrated["uncertainty_pct"] is None and "decode_tokens_per_s_low" not in uncalibrated
-
-
 def test_profile_calibrations_never_fit_the_benchmark_only_terms():
     for path in sorted((REPO / "planner" / "profiles").glob("cpu-*.calibration.json")):
         params = load_calibration(path).parameters
