@@ -115,8 +115,8 @@ def run_kernel_benchmarks() -> dict:
     from triton.testing import do_bench
 
     from engine.quant import quantize_int4, unpack_int4
-    from kernels.int4_matmul import w4a16_matmul
-    from kernels.paged_attention import paged_decode_attention
+    from engine.kernels.int4_matmul import w4a16_matmul
+    from engine.kernels.paged_attention import paged_decode_attention
 
     if not torch.cuda.is_available():
         raise SystemExit("--kernels needs a CUDA GPU")

@@ -78,7 +78,7 @@ def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer: int,
     """
     out = torch.empty_like(q)
     if meta.num_decodes and use_triton(q):
-        from kernels.paged_attention import paged_decode_attention
+        from engine.kernels.paged_attention import paged_decode_attention
 
         key_pages, value_pages = kv_cache.keys[layer], kv_cache.values[layer]
         k_scales, v_scales = kv_cache.layer_scales(layer)

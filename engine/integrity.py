@@ -162,9 +162,9 @@ class PageRecord:
 
     def _failing(self, entries: torch.Tensor) -> list[int]:
         if entries.device.type == "cuda":
-            from kernels.ownership_check import ownership_check
+            from engine.kernels.ownership_check import ownership_check
         else:
-            from kernels.reference import ownership_check
+            from engine.kernels.reference import ownership_check
         bad = ownership_check(entries, self.owners, self.epochs)
         return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
 

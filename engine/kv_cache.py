@@ -111,7 +111,7 @@ class PagedKVCache:
             self.scales[0][layer] = fp8_per_head_scale(keys)
             self.scales[1][layer] = fp8_per_head_scale(values)
         if use_triton(keys):
-            from kernels.kv_write import kv_write
+            from engine.kernels.kv_write import kv_write
 
             kv_write(keys, values, self.keys[layer], self.values[layer], slot_mapping, *self.layer_scales(layer))
             return

@@ -60,7 +60,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS:
-            from kernels.int4_matmul import w4a16_matmul
+            from engine.kernels.int4_matmul import w4a16_matmul
 
             weight = self.weight_int4
             out = w4a16_matmul(flat.contiguous(), weight.packed, weight.scales, weight.group_minimums(),
@@ -96,7 +96,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS and self.block_size is None:
-            from kernels.fp8_matmul import w8a16_matmul
+            from engine.kernels.fp8_matmul import w8a16_matmul
 
             out = w8a16_matmul(flat.contiguous(), self.values, self.scales.float())
             return out.reshape(*x.shape[:-1], self.out_features)

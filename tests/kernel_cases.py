@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from engine.kernels import reference
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -140,7 +140,7 @@ def test_the_triton_mla_decode_gives_the_torch_tokens(deepseek, monkeypatch):
     pages in place."""
     pytest.importorskip("triton")
     from engine.kernel_backend import ENV_VARIABLE
-    from kernels import mla_decode
+    from engine.kernels import mla_decode
 
     folder, _, prompts, expected = deepseek
     llm = engine(folder, page_size=16, num_pages=64)

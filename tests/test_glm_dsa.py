@@ -174,7 +174,7 @@ def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeyp
     attend over the selected latent rows with the two kernels."""
     pytest.importorskip("triton")
     from engine.kernel_backend import ENV_VARIABLE
-    from kernels import indexer_scores, sparse_mla_decode
+    from engine.kernels import indexer_scores, sparse_mla_decode
 
     folder, _, prompts, expected = glm
     llm = engine(folder, page_size=16, num_pages=64)

@@ -9,15 +9,15 @@ pytest.importorskip("triton")
 
 from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case,  # noqa: E402
                           relative_error, sparse_mla_case)
-from kernels import reference  # noqa: E402
-from kernels.fp8_matmul import w8a16_matmul  # noqa: E402
-from kernels.indexer_scores import paged_indexer_scores  # noqa: E402
-from kernels.int4_matmul import w4a16_matmul  # noqa: E402
-from kernels.kv_write import kv_write  # noqa: E402
-from kernels.mla_decode import paged_mla_decode  # noqa: E402
-from kernels.ownership_check import ownership_check  # noqa: E402
-from kernels.paged_attention import paged_decode_attention  # noqa: E402
-from kernels.sparse_mla_decode import sparse_mla_decode  # noqa: E402
+from engine.kernels import reference  # noqa: E402
+from engine.kernels.fp8_matmul import w8a16_matmul  # noqa: E402
+from engine.kernels.indexer_scores import paged_indexer_scores  # noqa: E402
+from engine.kernels.int4_matmul import w4a16_matmul  # noqa: E402
+from engine.kernels.kv_write import kv_write  # noqa: E402
+from engine.kernels.mla_decode import paged_mla_decode  # noqa: E402
+from engine.kernels.ownership_check import ownership_check  # noqa: E402
+from engine.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from engine.kernels.sparse_mla_decode import sparse_mla_decode  # noqa: E402
 
 DEVICE = "cpu"
 FP8 = torch.float8_e4m3fn

@@ -78,7 +78,7 @@ class Indexer(nn.Module):
                           meta: AttentionMetadata) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if use_triton(queries) and kv_cache.page_size >= MIN_DOT:
-            from kernels.indexer_scores import paged_indexer_scores
+            from engine.kernels.indexer_scores import paged_indexer_scores
 
             scores = paged_indexer_scores(queries, head_weights, kv_cache.index_keys[self.slot], tables, lens,
                                           self.scale, None if kv_cache.index_key_scales is None

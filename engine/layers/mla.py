@@ -7,7 +7,7 @@ Each token caches one row per layer: its RMS-normalized KV latent (`kv_lora_rank
 
 Prefill computes that expanded form (per-head K and V for the chunk's whole context: matmul-heavy, as
 prefill is anyway). Decode uses the absorbed form, reading only the latent pages (the Triton kernel
-`kernels.mla_decode` on CUDA):
+`engine.kernels.mla_decode` on CUDA):
 
     q_h · k_h = (W_UK_hᵀ q_nope_h) · latent + q_rope_h · k_rope      out_h = W_UV_h · (softmax · latents)
 
@@ -99,12 +99,12 @@ class MLAttention(nn.Module):
         fp8_scales = kv_cache.scales[0][self.layer] if kv_cache.is_fp8 else None
         if use_triton(query) and kv_cache.page_size >= MIN_DOT:
             if positions is None:
-                from kernels.mla_decode import paged_mla_decode
+                from engine.kernels.mla_decode import paged_mla_decode
 
                 attended = paged_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
                                             meta.decode_context_lens, self.scale, self.kv_lora_rank, fp8_scales)
             else:
-                from kernels.sparse_mla_decode import sparse_mla_decode
+                from engine.kernels.sparse_mla_decode import sparse_mla_decode
 
                 attended = sparse_mla_decode(query, kv_cache.latents[self.layer], meta.decode_block_tables,
                                              positions, self.scale, self.kv_lora_rank, fp8_scales)

@@ -6,15 +6,15 @@ import torch
 
 from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case, relative_error,
                           sparse_mla_case)
-from kernels import reference
-from kernels.fp8_matmul import w8a16_matmul
-from kernels.indexer_scores import paged_indexer_scores
-from kernels.int4_matmul import w4a16_matmul
-from kernels.kv_write import kv_write
-from kernels.mla_decode import paged_mla_decode
-from kernels.ownership_check import ownership_check
-from kernels.paged_attention import paged_decode_attention
-from kernels.sparse_mla_decode import sparse_mla_decode
+from engine.kernels import reference
+from engine.kernels.fp8_matmul import w8a16_matmul
+from engine.kernels.indexer_scores import paged_indexer_scores
+from engine.kernels.int4_matmul import w4a16_matmul
+from engine.kernels.kv_write import kv_write
+from engine.kernels.mla_decode import paged_mla_decode
+from engine.kernels.ownership_check import ownership_check
+from engine.kernels.paged_attention import paged_decode_attention
+from engine.kernels.sparse_mla_decode import sparse_mla_decode
 
 DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn

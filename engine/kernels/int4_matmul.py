@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor
+from engine.kernels._checks import check, check_tensor
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,7 +45,7 @@ def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, minimums_ptr, out_ptr, M, N, K,
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
                  group_size: int, block_m: int = 16, block_n: int = 64) -> torch.Tensor:
-    """Same contract as `kernels.reference.w4a16_matmul`. K must be a multiple of the group size."""
+    """Same contract as `engine.kernels.reference.w4a16_matmul`. K must be a multiple of the group size."""
     device = x.device
     check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
     check_tensor("packed", packed, 2, (torch.uint8,), device)

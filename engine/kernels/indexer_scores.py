@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels._checks import check, check_tensor, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -52,7 +52,7 @@ def _indexer_scores_kernel(q_ptr, weights_ptr, pages_ptr, scales_ptr, tables_ptr
 def paged_indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, key_pages: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          key_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_indexer_scores`; the page size must be a power of two of at
+    """Same contract as `engine.kernels.reference.paged_indexer_scores`; the page size must be a power of two of at
     least 16."""
     device = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, device)

@@ -5,9 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor, next_power_of_2
-from kernels.paged_attention import FLOAT_DTYPES, PAGE_DTYPES
-from kernels.reference import FP8_MAX
+from engine.kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels.paged_attention import FLOAT_DTYPES, PAGE_DTYPES
+from engine.kernels.reference import FP8_MAX
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _kv_write_kernel(k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, slots_ptr, k_scale_
 def kv_write(keys: torch.Tensor, values: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
              slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
              v_scales: torch.Tensor | None = None) -> None:
-    """Same contract as `kernels.reference.kv_write`."""
+    """Same contract as `engine.kernels.reference.kv_write`."""
     device = keys.device
     check_tensor("keys", keys, 3, FLOAT_DTYPES, device)
     check_tensor("values", values, 3, FLOAT_DTYPES, device)

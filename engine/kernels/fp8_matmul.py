@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor
-from kernels.int4_matmul import ACTIVATION_DTYPES
+from engine.kernels._checks import check, check_tensor
+from engine.kernels.int4_matmul import ACTIVATION_DTYPES
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _w8a16_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                  block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """Same contract as `kernels.reference.w8a16_matmul`."""
+    """Same contract as `engine.kernels.reference.w8a16_matmul`."""
     device = x.device
     check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
     check_tensor("values", values, 2, (torch.float8_e4m3fn,), device)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor
+from engine.kernels._checks import check, check_tensor
 
 BLOCK = 256
 
@@ -26,7 +26,7 @@ def _ownership_check_kernel(entries_ptr, owners_ptr, epochs_ptr, bad_ptr, n, num
 
 
 def ownership_check(entries: torch.Tensor, owners: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor:
-    """Same contract as `kernels.reference.ownership_check`."""
+    """Same contract as `engine.kernels.reference.ownership_check`."""
     device = entries.device
     check_tensor("entries", entries, 2, (torch.int64,), device)
     check_tensor("owners", owners, 1, (torch.int64,), device)

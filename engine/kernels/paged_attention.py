@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels._checks import check, check_tensor, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -66,7 +66,7 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scales: torch.Tensor | None = None,
                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_decode_attention`; every context length must be >= 1."""
+    """Same contract as `engine.kernels.reference.paged_decode_attention`; every context length must be >= 1."""
     device = q.device
     check_tensor("q", q, 3, FLOAT_DTYPES, device)
     check_tensor("key_pages", key_pages, 4, PAGE_DTYPES, device)

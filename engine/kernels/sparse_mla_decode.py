@@ -1,4 +1,4 @@
-"""Paged MLA decode over DSA-selected tokens in Triton: as `kernels.mla_decode`, every head of a block attends
+"""Paged MLA decode over DSA-selected tokens in Triton: as `engine.kernels.mla_decode`, every head of a block attends
 over the same latent rows, but the rows are the sequence's selected positions (at most `index_topk`, gathered
 through its block table) rather than its whole context, so the cost stops growing with the context.
 
@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_tensor, next_power_of_2
-from kernels.mla_decode import BLOCK_HEADS, MIN_DOT, check_mla_call
+from engine.kernels._checks import check_tensor, next_power_of_2
+from engine.kernels.mla_decode import BLOCK_HEADS, MIN_DOT, check_mla_call
 
 BLOCK_SELECTED = 16
 
@@ -72,7 +72,7 @@ def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_p
 def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
                       positions: torch.Tensor, scale: float, latent_dim: int,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.sparse_mla_decode`; the page size a power of two of at least 16."""
+    """Same contract as `engine.kernels.reference.sparse_mla_decode`; the page size a power of two of at least 16."""
     check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), q.device)
     check_tensor("positions", positions, 2, (torch.int32, torch.int64), q.device)
     fp8 = check_mla_call(q, latent_pages, latent_dim, scales, {"block_tables": block_tables, "positions": positions})

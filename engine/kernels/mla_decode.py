@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels._checks import check, check_tensor, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -99,7 +99,7 @@ def check_mla_call(q: torch.Tensor, latent_pages: torch.Tensor, latent_dim: int,
 def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, latent_dim: int,
                      scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_mla_decode`; every context length must be >= 1 and the
+    """Same contract as `engine.kernels.reference.paged_mla_decode`; every context length must be >= 1 and the
     page size a power of two of at least 16."""
     check_tensor("block_tables", block_tables, 2, (torch.int32, torch.int64), q.device)
     check_tensor("context_lens", context_lens, 1, (torch.int32, torch.int64), q.device)
