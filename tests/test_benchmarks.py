@@ -203,3 +203,22 @@ def test_profile_calibrations_never_fit_the_benchmark_only_terms():
         params = load_calibration(path).parameters
         assert params.request_overhead_s == 0 and params.expert_gemm_scale == 1, path.name
     assert StepParameters().request_overhead_s == 0 and StepParameters().expert_gemm_scale == 1
+
+
+def test_committed_public_calibration_is_the_default_with_error_bars():
+    calibration = load_calibration(PUBLIC_BENCHMARKS)
+    document = calibration.document
+    assert {"h100-sxm", "h200"} <= set(calibration.hardware_kinds)
+    assert document["num_points"] >= 40 and len(document["models"]) >= 4
+    assert not [m for m in document["models"] if m.startswith(("kimi", "glm"))]
+    assert document["held_out_rows"] and {row["model"] for row in document["held_out_rows"]} <= {"kimi-k2.6", "glm-5.2"}
+    costed = evaluate(Deployment("deepseek-v3", "h200", 8, weights="fp8", kv_dtype="fp8"))
+    assert costed.parameters_source.startswith(f"calibrated on {document['num_points']} public measurements")
+    summary = costed.summary()
+    assert summary["uncertainty_pct"]["single_stream_decode_tokens_per_s"] == document["uncertainty_pct"]["single_stream"]
+    assert (summary["single_stream_decode_tokens_per_s_low"] < summary["single_stream_decode_tokens_per_s"]
+            < summary["single_stream_decode_tokens_per_s_high"])
+    uncalibrated = evaluate(Deployment("llama-3.1-8b", "a100-80gb", 1, weights="bf16", kv_dtype="bf16"))
+    assert uncalibrated.summary()["uncertainty_pct"] is None
+    assert not [key for key in uncalibrated.summary() if key.endswith(("_low", "_high"))]
+    assert "no error bar" in uncalibrated.parameters_source
