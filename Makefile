@@ -9,7 +9,7 @@ CPU_TORCH ?= torch==2.13.0
 PROMPT ?= What is a KV cache, in one sentence?
 PORT ?= 8501
 
-.PHONY: setup browser test run chat bench clean
+.PHONY: setup browser lint test run chat bench clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,12 @@ browser:
 			exit 1; fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) browser
+# The rooms import only downward and nothing forbidden (pyproject.toml's import-linter contracts); ruff's rules.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) browser lint
 	$(PY) -m pytest -q tests
 
 run: $(STAMP)

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from planner import dashboard
-from planner.capacity import Deployment
+from planner.catalog.hardware import hardware_names
+from planner.catalog.models import model_names
+from planner.cost.memory_plan import KV_DTYPES, WEIGHT_SCHEMES
+from planner.deployment.capacity import Deployment
 from planner.errors import PlannerError
-from planner.hardware import hardware_names
-from planner.memory_plan import KV_DTYPES, WEIGHT_SCHEMES
-from planner.models import model_names
-from planner.search import WORKLOAD_PRESETS
-from planner.workload import ARRIVALS, LengthDistribution, Workload
+from planner.search.deployments import WORKLOAD_PRESETS
+from planner.simulation.workload import ARRIVALS, LengthDistribution, Workload
+from planner.ui import dashboard
 
 PAGES = ("Plan", "Compare", "Simulate", "Search", "Verify")
 GIB = float(1 << 30)
@@ -177,7 +177,7 @@ def show_verify() -> None:
         st.markdown(f"The machine ran the profile's own steps {tables['slowdown_pct']:+.1f}% slower than when "
                     "they were profiled. Errors with the predicted step times scaled by that:")
         st.dataframe(tables["drift_corrected"])
-    from planner.plots import predicted_vs_measured
+    from planner.ui.plots import predicted_vs_measured
 
     st.plotly_chart(predicted_vs_measured(result), key="verify-figure")
 
@@ -198,8 +198,8 @@ def show_live_verification() -> None:
         st.error("Give the endpoint's calibration: make one with `planner calibrate --endpoint URL --model M "
                  "--hardware H --out FILE`")
         return
-    from planner.endpoint import verify_endpoint
-    from planner.plots import predicted_vs_measured
+    from planner.endpoint.live import verify_endpoint
+    from planner.ui.plots import predicted_vs_measured
 
     workload = Workload("poisson", requests, rate=rate, prompt=LengthDistribution("fixed", prompt),
                         output=LengthDistribution("fixed", output))

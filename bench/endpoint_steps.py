@@ -19,17 +19,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.metrics import RequestTiming, summarize
-from engine.profile_format import regime_of
-from engine.server import serve_subprocess
-from planner.calibration import load_calibration
-from planner.capacity import Deployment
-from planner.endpoint import (EndpointSweep, RowResiduals, calibrate_endpoint, calibrated_step, probed_workload,
-                              server_shape, simulate_endpoint, with_client)
-from planner.models import get_model
-from planner.step_model import BatchShape
-from planner.verify import TIMING_METRICS, compared, served_shape, step_model_errors
-from planner.workload import LengthDistribution, Workload
+from engine.core.metrics import RequestTiming, summarize
+from engine.core.profile_format import regime_of
+from engine.server.app import serve_subprocess
+from planner.calibration.profile_fit import load_calibration
+from planner.catalog.models import get_model
+from planner.cost.step_model import BatchShape
+from planner.deployment.capacity import Deployment
+from planner.endpoint.live import (
+    EndpointSweep,
+    RowResiduals,
+    calibrate_endpoint,
+    calibrated_step,
+    probed_workload,
+    server_shape,
+    simulate_endpoint,
+    with_client,
+)
+from planner.simulation.workload import LengthDistribution, Workload
+from planner.verification.comparison import TIMING_METRICS, compared
+from planner.verification.verify import served_shape, step_model_errors
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from engine.core.sequence import SamplingParams
 from engine.llm import LLM
-from engine.loader import resolve
-from engine.sequence import SamplingParams
+from engine.model.loader import resolve
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

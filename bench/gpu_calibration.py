@@ -22,12 +22,19 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from planner.benchmark_files import HELD_OUT_FAMILIES, read_benchmarks
-from planner.benchmark_fit import (PointSetup, calibrate_benchmarks, error_rows,
-                                   fit_report_lines, median_errors, predictions, refusal)
-from planner.calibration import PUBLIC_BENCHMARKS
-from planner.hardware import get_hardware
-from planner.step_model import StepParameters
+from planner.benchmarks.fit import (
+    PointSetup,
+    calibrate_benchmarks,
+    error_rows,
+    fit_report_lines,
+    median_errors,
+    predictions,
+    refusal,
+)
+from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
+from planner.calibration.profile_fit import PUBLIC_BENCHMARKS
+from planner.catalog.hardware import get_hardware
+from planner.cost.step_model import StepParameters
 
 CATALOGUE = Path(__file__).resolve().parent.parent / "planner" / "data" / "benchmarks"
 # the catalogue mixes four engines (vLLM, SGLang, TensorRT-LLM, NIM) and two years of their versions: its fit is held

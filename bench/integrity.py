@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from engine.faults import DETECTED_IN, FAULT_KINDS, run_trial
+from engine.core.sequence import SamplingParams
+from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, run_trial
 from engine.llm import LLM
-from engine.sequence import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPT_TOKENS = 128
@@ -139,7 +139,7 @@ def overhead(batch: int, steps: int, kv_gib: float, engine: dict) -> dict:
 def campaign(trials: int, seed: int, engine: dict) -> list[dict]:
     rows = []
     rng = random.Random(seed)
-    logging.getLogger("engine.integrity").setLevel(logging.CRITICAL)     # thousands of expected violations
+    logging.getLogger("engine.executor.integrity").setLevel(logging.CRITICAL)     # thousands of expected violations
     ranks = list(range(min(2, engine.get("tensor_parallel", 1))))
     for mode, kv_dtype in (("ownership", None), ("full", "fp8")):
         llm = LLM(**engine, device="cpu", page_size=8, num_pages=800, integrity=mode, kv_dtype=kv_dtype)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from engine.layers.moe import MoE, Router
+from engine.core.memory import dtype_bytes
+from engine.core.sequence import SamplingParams
 from engine.llm import LLM
-from engine.memory import dtype_bytes
-from engine.sequence import SamplingParams
+from engine.model.layers.moe import MoE, Router
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KIMI = Path(__file__).resolve().parent.parent / "planner" / "data" / "model-configs" / "kimi-k2.6.json"

@@ -6,7 +6,7 @@ writes:
 - single-stream decode and saturated decode (the largest batch the KV pool holds, at most 256) in tokens/s,
   before (no communication, one device's step on each GPU) and after (the step's collectives: latency with
   CUDA graphs, ring bytes over NVLink), and with CUDA graphs off (every kernel launched: `--cuda-graphs off`);
-- each part's share of the step (`planner.step_model.STEP_PARTS`) at batch 1 and at batch 64;
+- each part's share of the step (`planner.cost.step_model.STEP_PARTS`) at batch 1 and at batch 64;
 - the INT4-vs-FP8 single-stream speed-up, and DeepSeek-V3 with its experts spread over the GPUs (expert
   parallelism: the most-loaded GPU sets each layer's pace).
 Before = after less the communication part: the other new terms are zero on one device and with CUDA graphs.
@@ -19,8 +19,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from planner.capacity import Capacity, Deployment, evaluate
-from planner.step_model import STEP_PARTS, BatchShape
+from planner.cost.step_model import STEP_PARTS, BatchShape
+from planner.deployment.capacity import Capacity, Deployment, evaluate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("llama-3.1-70b", "deepseek-v3", "kimi-k2.6", "glm-5.2")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from engine.evaluate import perplexity
+from engine.core.memory import WeightFormat, kv_bytes_per_token
+from engine.core.sequence import SamplingParams
+from engine.harness.perplexity import perplexity
 from engine.llm import LLM
-from engine.memory import WeightFormat, kv_bytes_per_token
-from engine.quantized_linear import linear_weight_bytes, quantize_linears
-from engine.sequence import SamplingParams
+from engine.model.quantized_linear import linear_weight_bytes, quantize_linears
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCH_KV_GIB = 0.25
@@ -114,9 +114,9 @@ def run_kernel_benchmarks() -> dict:
     """CUDA only: kernels against their dense/bf16 counterparts, timed with triton.testing.do_bench."""
     from triton.testing import do_bench
 
-    from engine.quant import quantize_int4, unpack_int4
     from engine.kernels.int4_matmul import w4a16_matmul
     from engine.kernels.paged_attention import paged_decode_attention
+    from engine.model.quant import quantize_int4, unpack_int4
 
     if not torch.cuda.is_available():
         raise SystemExit("--kernels needs a CUDA GPU")
@@ -124,7 +124,7 @@ def run_kernel_benchmarks() -> dict:
     source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     copy_gb_s = _gb_per_s(2 * source.nbytes, do_bench(lambda: target.copy_(source)))
-    del source, target
+    source = target = None          # the 2 GiB go back before the kernels' buffers are made
     gemm = []
     for n, k in ((4096, 4096), (14336, 4096)):
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from planner.search import SearchSpace, Slo, run_search
-from planner.workload import LengthDistribution, Workload
+from planner.search.deployments import SearchSpace, Slo, run_search
+from planner.simulation.workload import LengthDistribution, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_S = 60.0

@@ -1,5 +1,5 @@
 """`engine serve` against the engine in-process: the same Poisson requests at three rates, through HTTP (the
-`openai` client streaming from a server subprocess) and through `engine.serving.serve` (no HTTP), side by
+`openai` client streaming from a server subprocess) and through `engine.harness.served_run.serve` (no HTTP), side by
 side: throughput, TTFT and TPOT percentiles, and the server's cost per token (TPOT p50 served less in-process).
 
 Both engines run SmolLM2-135M (fp32 weights, bf16 KV, one thread: a step that waits for two threads on a
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.core.metrics import summarize
+from engine.harness.served_run import ServeRequest, serve
 from engine.llm import LLM
-from engine.metrics import summarize
-from engine.server import serve_subprocess
-from engine.serving import ServeRequest, serve
-from planner.endpoint import Client, serve_workload, synthetic_prompt
-from planner.workload import LengthDistribution, Workload
+from engine.server.app import serve_subprocess
+from planner.endpoint.live import Client, serve_workload, synthetic_prompt
+from planner.simulation.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"

@@ -12,10 +12,10 @@ import pstats
 import sys
 from pathlib import Path
 
-from engine.config import SchedulerConfig
-from planner.simulator import Simulation, model_step_time
-from planner.step_model import BatchShape
-from planner.workload import LengthDistribution, Workload
+from engine.core.config import SchedulerConfig
+from planner.cost.step_model import BatchShape
+from planner.simulation.simulator import Simulation, model_step_time
+from planner.simulation.workload import LengthDistribution, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -17,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.harness.profiler import Profiler, SweepPlan
 from engine.llm import LLM
-from engine.profiler import Profiler, SweepPlan
-from planner.calibration import Calibration, calibrate, profile_costs
-from planner.step_model import BatchShape, step_time
+from planner.calibration.profile_fit import Calibration, calibrate, profile_costs
+from planner.cost.step_model import BatchShape, step_time
 
 RESULTS = Path(__file__).resolve().parent / "results"
 INDEX_TOPK = 512

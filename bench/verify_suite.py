@@ -17,9 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from engine.profiler import SweepPlan
-from planner.verify import TIMING_METRICS, engine_of, verify
-from planner.workload import LengthDistribution, Workload
+from engine.harness.profiler import SweepPlan
+from planner.simulation.workload import LengthDistribution, Workload
+from planner.verification.comparison import TIMING_METRICS
+from planner.verification.engine_run import engine_of
+from planner.verification.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "planner" / "profiles"
@@ -75,7 +77,7 @@ def summarize_errors(runs: list[dict], metrics_of, names) -> dict[str, dict[str,
 
 def fresh_profile(committed: Path, out: Path) -> Path:
     """The committed profile's engine configuration, profiled again now."""
-    from engine.profiler import Profiler
+    from engine.harness.profiler import Profiler
 
     llm = engine_of(json.loads(committed.read_text())["fingerprint"], 1.0, max_num_batched_tokens=2048,
                     num_threads=SUITE_THREADS)

@@ -4,20 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
-from engine.config import INTEGRITY_MODES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
-from engine.errors import ConfigError, EngineError, RequestError
-
-EXIT_BAD_INPUT = 2
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit 2), like every other bad input."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+from engine.core.config import INTEGRITY_MODES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
+from engine.core.errors import EXIT_BAD_INPUT, ConfigError, EngineError, OneLineParser, RequestError
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -115,8 +105,8 @@ def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from engine.core.sequence import SamplingParams
     from engine.llm import LLM
-    from engine.sequence import SamplingParams
 
     if args.prompt is not None and not args.prompt.strip():
         raise RequestError("the prompt is empty")
@@ -133,10 +123,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
+    from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, kv_scale_bytes
     from engine.llm import CPU_DEFAULT_KV_GIB
-    from engine.loader import check_shardable, read_model_config, resolve, weight_bytes_report
-    from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, kv_scale_bytes
-    from engine.sharding import rank_spec
+    from engine.model.loader import check_shardable, read_model_config, resolve, weight_bytes_report
+    from engine.model.sharding import rank_spec
 
     config = engine_config(args)
     source = resolve(config.model)
@@ -166,7 +156,7 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from engine.evaluate import perplexity
+    from engine.harness.perplexity import perplexity
     from engine.llm import LLM
 
     with LLM(engine_config(args, device=args.device)) as llm:
@@ -181,8 +171,8 @@ def cmd_profile(args: argparse.Namespace) -> None:
     from dataclasses import replace
     from pathlib import Path
 
+    from engine.harness.profiler import Profiler, SweepPlan
     from engine.llm import LLM
-    from engine.profiler import Profiler, SweepPlan
 
     plan = SweepPlan(warmup=args.warmup, repeats=args.repeats, max_kv_tokens=args.max_kv_tokens)
     for name, value in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.batches),
@@ -202,7 +192,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from engine.llm import LLM
-    from engine.server import ServerConfig, serve
+    from engine.server.app import ServerConfig, serve
 
     config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting,
                           args.step_trace)

@@ -8,24 +8,25 @@ from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, SchedulerConfig
-from engine.distributed import MEMORY_QUERY, SINGLE, Workers
-from engine.errors import ConfigError, RequestError
-from engine.integrity import IntegrityChecker, Violation
-from engine.kv_cache import PagedKVCache
-from engine.loader import check_shardable, load_model
-from engine.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
-from engine.quantized_linear import allocated_bytes_by_component
-from engine.runner import ModelRunner
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.sequence import FinishReason, SamplingParams, Sequence
-from engine.tokenizer import Tokenizer
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig, SchedulerConfig
+from engine.core.errors import ConfigError, RequestError
+from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
+from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from engine.core.sequence import FinishReason, SamplingParams, Sequence
+from engine.executor.integrity import IntegrityChecker, Violation
+from engine.executor.runner import ModelRunner
+from engine.executor.worker import rank_memory
+from engine.executor.workers import MEMORY_QUERY, Workers
+from engine.model.kv_cache import PagedKVCache
+from engine.model.loader import check_shardable, load_model
+from engine.model.tokenizer import Tokenizer
+from engine.parallel.group import SINGLE, resolve_device
 
 CPU_DEFAULT_KV_GIB = 1.0
 KV_CALIBRATION_TOKENS = 512
 
-log = logging.getLogger("engine.integrity")
+log = logging.getLogger("engine.executor.integrity")
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,6 @@ class RequestOutput:
     num_preemptions: int
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} requested but no CUDA GPU is available")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {device!r}") from None
-
-
 def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int) -> list[int]:
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
@@ -56,11 +46,6 @@ def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int)
     from pydoc_data.topics import topics
 
     return tokenizer.encode(topics[sorted(topics)[-1]])[:count]
-
-
-def rank_memory(model: torch.nn.Module, kv_cache: PagedKVCache) -> dict[str, Any]:
-    """What one rank holds: its weight bytes by component, and its KV pool's bytes."""
-    return {"weight_bytes_by_component": allocated_bytes_by_component(model), "kv_cache_bytes": kv_cache.nbytes}
 
 
 class LLM:

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.cli import EXIT_BAD_INPUT, OneLineParser
+from engine.core.errors import EXIT_BAD_INPUT, OneLineParser
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
-    from planner.workload import Workload
+    from planner.simulation.workload import Workload
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -137,8 +137,8 @@ def _workload_options(parser: argparse.ArgumentParser, requests: int, prompt: st
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
-    from planner.verify import markdown_report, verify
-    from planner.workload import LengthDistribution, Workload
+    from planner.simulation.workload import LengthDistribution, Workload
+    from planner.verification.verify import markdown_report, verify
 
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, prompt=LengthDistribution.parse(args.prompt_tokens),
@@ -162,7 +162,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
 
 
 def _write_verification(out: Path, report: str, result: dict[str, Any]) -> None:
-    from planner.plots import predicted_vs_measured
+    from planner.ui.plots import predicted_vs_measured
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(report)
@@ -171,7 +171,7 @@ def _write_verification(out: Path, report: str, result: dict[str, Any]) -> None:
 
 
 def _verify_endpoint(args: argparse.Namespace, workload: Workload) -> None:
-    from planner.endpoint import endpoint_report, verify_endpoint
+    from planner.endpoint.live import endpoint_report, verify_endpoint
 
     if args.calibration is None:
         raise PlannerError("--endpoint needs --calibration: make one with `planner calibrate --endpoint`")
@@ -186,8 +186,8 @@ def _verify_endpoint(args: argparse.Namespace, workload: Workload) -> None:
 
 
 def _deployment_options(parser: argparse.ArgumentParser) -> None:
-    from planner.hardware import hardware_names
-    from planner.models import model_names
+    from planner.catalog.hardware import hardware_names
+    from planner.catalog.models import model_names
 
     parser.add_argument("--model", required=True, help=f"{', '.join(model_names())}, or a path to a config.json")
     parser.add_argument("--hardware", required=True, help=", ".join(hardware_names()))
@@ -208,7 +208,7 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _deployment(args: argparse.Namespace, weights: str, kv: str):
-    from planner.capacity import Deployment
+    from planner.deployment.capacity import Deployment
 
     return Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=weights, kv_dtype=kv,
                       context=args.context, gpu_hour_usd=args.gpu_hour_usd, group_size=args.group_size,
@@ -228,7 +228,7 @@ def _gib(value: int) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from planner.capacity import evaluate
+    from planner.deployment.capacity import evaluate
 
     result = evaluate(_deployment(args, args.weights, args.kv))
     summary = result.summary()
@@ -259,7 +259,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from planner.capacity import compare, sparse_attention_crossover
+    from planner.deployment.capacity import compare, sparse_attention_crossover
 
     deployment = _deployment(args, args.weights[0], args.kv[0])
     rows = compare(deployment, args.weights, args.kv)
@@ -287,7 +287,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from planner.calibration import MAX_MAPE_PCT, calibrate, load_profile
+    from planner.calibration.profile_fit import MAX_MAPE_PCT, calibrate, load_profile
 
     max_mape = MAX_MAPE_PCT if args.max_mape is None else args.max_mape
     if not max_mape > 0:
@@ -315,8 +315,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, Any]:
     from dataclasses import replace
 
-    from planner.capacity import Deployment
-    from planner.endpoint import EndpointSweep, calibrate_endpoint
+    from planner.deployment.capacity import Deployment
+    from planner.endpoint.live import EndpointSweep, calibrate_endpoint
 
     if args.model is None or args.hardware is None:
         raise PlannerError("--endpoint needs --model and --hardware: what the server runs, as the planner knows it")
@@ -331,8 +331,8 @@ def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, 
 
 
 def _calibrate_benchmarks(args: argparse.Namespace, out: Path) -> None:
-    from planner.benchmark_fit import MAX_CV_MEDIAN_PCT, calibrate_benchmarks, fit_report_lines
-    from planner.benchmark_files import PointDefaults, read_benchmarks
+    from planner.benchmarks.fit import MAX_CV_MEDIAN_PCT, calibrate_benchmarks, fit_report_lines
+    from planner.benchmarks.formats import PointDefaults, read_benchmarks
 
     threshold = MAX_CV_MEDIAN_PCT if args.max_cv_error is None else args.max_cv_error
     if not threshold > 0:
@@ -351,8 +351,8 @@ SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", 
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from planner.capacity import deployment_uncertainty, figure_uncertainty, simulate
-    from planner.workload import LengthDistribution, Workload
+    from planner.deployment.capacity import deployment_uncertainty, figure_uncertainty, simulate
+    from planner.simulation.workload import LengthDistribution, Workload
 
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, users=args.users, think_time_s=args.think_time,
@@ -382,10 +382,18 @@ def _csv(text: str, convert=str) -> tuple:
 
 
 def cmd_search(args: argparse.Namespace) -> None:
-    from planner.search import (DEFAULT_KV, DEFAULT_WEIGHTS, SearchSpace, Slo, check_target_rate, cheapest_fleet,
-                                preset_workload, run_search)
-    from planner.workload import LengthDistribution
-    from planner.sweep import DEFAULT_CACHE, ResultCache
+    from planner.search.deployments import (
+        DEFAULT_KV,
+        DEFAULT_WEIGHTS,
+        SearchSpace,
+        Slo,
+        cheapest_fleet,
+        check_target_rate,
+        preset_workload,
+        run_search,
+    )
+    from planner.search.executors import DEFAULT_CACHE, ResultCache
+    from planner.simulation.workload import LengthDistribution
 
     slo = Slo.parse(args.slo)
     if args.target_rate is not None:
@@ -438,7 +446,7 @@ def cmd_search(args: argparse.Namespace) -> None:
 def _write_search(out: Path, payload: dict[str, Any], result) -> None:
     import csv
 
-    from planner.plots import pareto_front
+    from planner.ui.plots import pareto_front
 
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("ranked.csv", payload["ranked"]), ("pareto.csv", payload["pareto"])):

@@ -7,6 +7,10 @@ from typing import Any
 
 from planner.errors import PlannerError
 
+PACKAGE = Path(__file__).resolve().parent
+DATA = PACKAGE / "data"               # the catalogues (model configs, hardware, public benchmarks): package data
+PROFILES = PACKAGE / "profiles"       # the committed profiles and calibrations: package data
+
 
 def read_json(path: str | Path, what: str) -> dict[str, Any]:
     try:

@@ -16,8 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.harness.profiler import Profiler, SweepPlan
 from engine.llm import LLM
-from engine.profiler import Profiler, SweepPlan
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "planner" / "data" / "model-configs" / "kimi-k2.6.json"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from engine.faults import run_trial
+from engine.harness.fault_campaign import run_trial
 from engine.llm import LLM
 
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
-    from engine.loader import BUNDLED_MODELS, bundled_gguf_path
+    from engine.model.loader import BUNDLED_MODELS, bundled_gguf_path
 
     return bundled_gguf_path(*BUNDLED_MODELS["smollm2-135m"])
 

@@ -37,6 +37,6 @@ def engine(folder, **overrides):
 
 
 def greedy(llm, prompts):
-    from engine.sequence import SamplingParams
+    from engine.core.sequence import SamplingParams
 
     return [out.token_ids for out in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]

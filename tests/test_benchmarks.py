@@ -9,13 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from planner.benchmark_files import BenchmarkPoint, Measurement, PointDefaults, read_benchmarks
-from planner.benchmark_fit import (FREE, PointSetup, calibrate_benchmarks, cross_validate, fit_points,
-                                   initial_parameters, point_deployment, predictions, replay)
-from planner.calibration import PUBLIC_BENCHMARKS, load_calibration
-from planner.capacity import Deployment, evaluate
+from planner.benchmarks.fit import (
+    FREE,
+    PointSetup,
+    calibrate_benchmarks,
+    cross_validate,
+    fit_points,
+    initial_parameters,
+    point_deployment,
+    predictions,
+    replay,
+)
+from planner.benchmarks.formats import BenchmarkPoint, Measurement, PointDefaults, read_benchmarks
+from planner.calibration.profile_fit import PUBLIC_BENCHMARKS, load_calibration
+from planner.cost.step_model import StepParameters
+from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError
-from planner.step_model import StepParameters
 
 DATA = Path(__file__).resolve().parent / "data" / "benchmarks"
 REPO = Path(__file__).resolve().parent.parent

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, OutOfPages
+from engine.core.block_manager import BlockManager, OutOfPages
 
 
 def test_exact_pages_and_slots():

@@ -9,12 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from engine.profile_format import PROFILE_VERSION, REGIMES, chunk_pairs
-from planner.calibration import (BOUNDS, MAX_MAPE_PCT, PARAMETER_NAMES, Points, calibrate, check_fingerprint,
-                                 load_calibration, load_profile, predict, profile_costs, profile_peaks, samples_hash)
+from engine.core.profile_format import PROFILE_VERSION, REGIMES, chunk_pairs
+from planner.calibration.profile_fit import (
+    BOUNDS,
+    MAX_MAPE_PCT,
+    PARAMETER_NAMES,
+    Points,
+    calibrate,
+    check_fingerprint,
+    load_calibration,
+    load_profile,
+    predict,
+    profile_costs,
+    profile_peaks,
+    samples_hash,
+)
+from planner.catalog.hardware import get_hardware
+from planner.cost.step_model import BatchShape, MeasuredLinears, StepParameters, step_time
 from planner.errors import PlannerError
-from planner.hardware import get_hardware
-from planner.step_model import BatchShape, MeasuredLinears, StepParameters, step_time
 
 PROFILES = sorted((Path(__file__).resolve().parent.parent / "planner" / "profiles").glob("cpu-*.profile.json"))
 SMOLLM_MODEL = {
@@ -87,7 +99,7 @@ def test_moe_and_mla_step_terms():
     """Experts touched: 2 of 64 per token, so 1 token runs 2 per layer, 16 run 64 x (1 - (31/32)^16) = 25.2;
     MLA: decode pairs at the latent cost, prefill pairs at the expanded cost, a chunk's earlier context
     re-expanded (chunk of 100 at 300: 200 tokens)."""
-    from planner.step_model import step_terms
+    from planner.cost.step_model import step_terms
 
     costs = profile_costs(MOE_MODEL)
     assert costs.experts_touched(1) == pytest.approx(4 * 2)
@@ -223,7 +235,7 @@ def test_padded_decode_attention_costs_the_longest_context_for_every_decode():
     """The engine's CPU decode attention pads each decode's pages to the batch's longest; paged kernels do not."""
     from dataclasses import replace
 
-    from planner.step_model import decode_tokens_read
+    from planner.cost.step_model import decode_tokens_read
 
     paged = profile_costs(SMOLLM_MODEL)
     padded = replace(paged, decode_padding_page=16)

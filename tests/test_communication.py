@@ -7,13 +7,13 @@ from dataclasses import fields, replace
 import numpy as np
 import pytest
 
-from planner.calibration import HELD, PARAMETER_NAMES, Points, free_parameters, step_parameters
-from planner.capacity import Deployment, evaluate
-from planner.communication import LinkFit, fit_alpha_beta, wire_bytes
+from planner.calibration.profile_fit import HELD, PARAMETER_NAMES, Points, free_parameters, step_parameters
+from planner.catalog.hardware import get_hardware
+from planner.catalog.models import get_model
+from planner.cost.communication import LinkFit, fit_alpha_beta, wire_bytes
+from planner.cost.step_model import BatchShape, ModelCosts, StepTerms, expected_max_normal
+from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError
-from planner.hardware import get_hardware
-from planner.models import get_model
-from planner.step_model import BatchShape, ModelCosts, StepTerms, expected_max_normal
 
 SIZES = [1 << k for k in range(10, 24, 2)]
 

@@ -7,9 +7,8 @@ import json
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
 from conftest import REPO  # noqa: E402
+from streamlit.testing.v1 import AppTest  # noqa: E402
 
 APP = str(REPO / "app.py")
 

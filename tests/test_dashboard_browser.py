@@ -13,11 +13,10 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import REPO
 
 SCREENSHOT = REPO / "bench" / "results" / "dashboard_plan.png"
-WEIGHTS_BLUE = (0x4C, 0x78, 0xA8)         # planner.plots.MEMORY_COLORS["weights"]
+WEIGHTS_BLUE = (0x4C, 0x78, 0xA8)         # planner.ui.plots.MEMORY_COLORS["weights"]
 CHART_SCRIPT = "document.querySelectorAll('.js-plotly-plot .bars path').length"
 
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
@@ -139,8 +138,8 @@ def test_the_triton_mla_decode_gives_the_torch_tokens(deepseek, monkeypatch):
     """The engine's GPU path, run on CPU in the Triton interpreter: the paged MLA kernel reads the latent
     pages in place."""
     pytest.importorskip("triton")
-    from engine.kernel_backend import ENV_VARIABLE
     from engine.kernels import mla_decode
+    from engine.kernels.backend import ENV_VARIABLE
 
     folder, _, prompts, expected = deepseek
     llm = engine(folder, page_size=16, num_pages=64)
@@ -158,8 +157,9 @@ def test_the_fault_campaign_on_an_mla_model(deepseek):
     import random
 
     from campaign import assert_campaign_detects
-    from engine.faults import FAULT_KINDS
-    from engine.sequence import SamplingParams
+
+    from engine.core.sequence import SamplingParams
+    from engine.harness.fault_campaign import FAULT_KINDS
 
     folder, _, prompts, _ = deepseek
     rng = random.Random(5)
@@ -239,12 +239,12 @@ def test_two_ranks_give_transformers_tokens(deepseek, expert_parallel):
 
 
 def test_each_rank_holds_the_planners_bytes_per_gpu_under_expert_parallelism(deepseek):
-    from engine.memory import kv_bytes_per_token, kv_layout
-    from planner.memory_plan import Parallelism, component_bytes_per_gpu
+    from engine.core.memory import kv_bytes_per_token, kv_layout
+    from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu
 
     folder, _, _, _ = deepseek
-    from engine.profiler import model_section
-    from planner.calibration import profile_costs
+    from engine.harness.profiler import model_section
+    from planner.calibration.profile_fit import profile_costs
 
     with engine(folder, weights="bf16", kv_dtype="bf16", tensor_parallel=2, expert_parallel=True,
                 num_threads=1) as llm:

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
@@ -70,8 +69,8 @@ def test_chunked_batched_and_preempted_runs_give_the_same_tokens(glm):
 def test_the_attention_reads_only_the_selected_tokens(glm):
     """One decode step of one sequence, run again over the same cache: corrupting the latent rows of a page no
     layer selected leaves the logits bit for bit; corrupting a selected page changes them."""
-    from engine.runner import forward_plan
-    from engine.step_plan import StepPlan
+    from engine.executor.runner import forward_plan
+    from engine.executor.step_plan import StepPlan
 
     folder, _, prompts, _ = glm
     llm = engine(folder)
@@ -128,9 +127,10 @@ def test_fp8_caches_select_nearly_the_same_tokens_and_fault_checks_cover_the_ind
     flipped bit in an indexer key or in its scale changes its page's checksum and only that page's, and the
     fault campaign catches every kind on this model."""
     from campaign import assert_campaign_detects
-    from engine.faults import FAULT_KINDS
-    from engine.integrity import page_checksums
-    from engine.sequence import SamplingParams
+
+    from engine.core.sequence import SamplingParams
+    from engine.executor.integrity import page_checksums
+    from engine.harness.fault_campaign import FAULT_KINDS
 
     folder, _, prompts, _ = glm
     fp8 = engine(folder, kv_dtype="fp8", integrity="full", num_pages=160)
@@ -173,8 +173,8 @@ def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeyp
     """The engine's GPU path, run on CPU in the Triton interpreter: decodes score the paged indexer keys and
     attend over the selected latent rows with the two kernels."""
     pytest.importorskip("triton")
-    from engine.kernel_backend import ENV_VARIABLE
     from engine.kernels import indexer_scores, sparse_mla_decode
+    from engine.kernels.backend import ENV_VARIABLE
 
     folder, _, prompts, expected = glm
     llm = engine(folder, page_size=16, num_pages=64)
@@ -197,7 +197,7 @@ def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeyp
 
 
 def test_selected_pairs_count_what_each_prefill_row_attends():
-    from engine.profile_format import selected_pairs
+    from engine.core.profile_format import selected_pairs
 
     for tokens, end, topk in ((5, 5, 8), (5, 12, 8), (30, 30, 8), (4, 40, 8), (1, 9, 8), (1, 8, 8), (16, 17, 16)):
         rows = range(end - tokens + 1, end + 1)                     # tokens each row sees before the cap
@@ -209,9 +209,10 @@ def test_sparse_decode_cost_flattens_above_index_topk_and_the_crossover_is_print
     index_topk (its keys are 1/16 of the latents' bytes at BF16), at the latents' below; `planner compare`
     prints the context from which sparse attention beats dense MLA: past index_topk, since the indexer's
     weights and keys cost something, and well before 4x index_topk."""
-    from planner.capacity import Deployment, costing, sparse_attention_crossover
-    from planner.models import get_model
     from test_deepseek import planner_json
+
+    from planner.catalog.models import get_model
+    from planner.deployment.capacity import Deployment, costing, sparse_attention_crossover
 
     deployment = Deployment(model="glm-5.2", hardware="h200", gpus=8, weights="fp8", kv_dtype="bf16")
     step = costing(deployment, get_model("glm-5.2")).single_stream_step

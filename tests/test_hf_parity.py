@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sequence import SamplingParams
+from engine.core.sequence import SamplingParams
 
 PROMPTS = [
     "The history of the Roman Empire begins with",

@@ -5,19 +5,19 @@ import random
 
 import pytest
 import torch
-
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.faults import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, run_trial
-from engine.integrity import IntegrityChecker, page_checksums
-from engine.kv_cache import PagedKVCache
-from engine.llm import LLM
-from engine.memory import KVLayout
-from engine.scheduler import ScheduledSequence
-from engine.sequence import FinishReason, SamplingParams, Sequence
 from campaign import assert_campaign_detects
 from conftest import run_cli
+
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.errors import ConfigError
+from engine.core.memory import KVLayout
+from engine.core.scheduler import ScheduledSequence
+from engine.core.sequence import FinishReason, SamplingParams, Sequence
+from engine.executor.integrity import IntegrityChecker, page_checksums
+from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, run_trial
+from engine.llm import LLM
+from engine.model.kv_cache import PagedKVCache
 
 TRIALS = 2
 

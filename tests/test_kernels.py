@@ -7,8 +7,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case,  # noqa: E402
-                          relative_error, sparse_mla_case)
+from kernel_cases import (  # noqa: E402
+    fp8_case,
+    indexer_case,
+    int4_case,
+    mla_case,
+    ownership_case,
+    paged_case,
+    relative_error,
+    sparse_mla_case,
+)
+
 from engine.kernels import reference  # noqa: E402
 from engine.kernels.fp8_matmul import w8a16_matmul  # noqa: E402
 from engine.kernels.indexer_scores import paged_indexer_scores  # noqa: E402

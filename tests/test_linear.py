@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import SKINNY_MAX_ROWS, Linear, linear
+from engine.model.layers.linear import SKINNY_MAX_ROWS, Linear, linear
 
 
 @pytest.fixture(params=[1, 2])

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import RequestError
+from engine.core.errors import RequestError
+from engine.core.sequence import SamplingParams
 from engine.llm import LLM
-from engine.sequence import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 

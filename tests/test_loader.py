@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.spec import spec_from_config
-from engine.errors import ConfigError, LoaderError, RequestError
+from engine.core.errors import ConfigError, LoaderError, RequestError
+from engine.core.sequence import SamplingParams
+from engine.core.spec import spec_from_config
 from engine.llm import LLM
-from engine.loader import load_model, resolve
-from engine.sequence import SamplingParams
+from engine.model.loader import load_model, resolve
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -69,7 +69,7 @@ def test_random_weights_from_config(tmp_path):
 
 def test_llama3_rope_scaling_matches_transformers():
     transformers = pytest.importorskip("transformers")
-    from engine.layers.rotary import rope_inverse_frequencies
+    from engine.model.layers.rotary import rope_inverse_frequencies
 
     hf_config = transformers.LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})
     init = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"]

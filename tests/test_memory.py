@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ConfigError
-from engine.memory import (GIB, KVLayout, kv_bytes_per_page, kv_bytes_per_token, kv_pages_for_budget,
-                           pages_for_tokens, weight_bytes)
+from engine.core.errors import ConfigError
+from engine.core.memory import (
+    GIB,
+    KVLayout,
+    kv_bytes_per_page,
+    kv_bytes_per_token,
+    kv_pages_for_budget,
+    pages_for_tokens,
+    weight_bytes,
+)
 
 SMOLLM = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 
@@ -47,7 +54,7 @@ def test_cache_allocates_exactly_what_the_memory_model_says(engine):
 
 
 def test_parameter_count_matches_the_checkpoint(engine, smollm_path):
-    from engine.loader import _read_gguf
+    from engine.model.loader import _read_gguf
 
     reader, _ = _read_gguf(smollm_path)
     assert engine.model_config.total_parameters == sum(int(t.n_elements) for t in reader.tensors)
@@ -59,7 +66,7 @@ def test_tiling_copies_the_written_pages_over_the_whole_pool_in_order():
     a tile is smaller than the pool (a 3-page budget) and the last tile is cut short."""
     import torch
 
-    from engine.kv_cache import PagedKVCache
+    from engine.model.kv_cache import PagedKVCache
 
     for max_tile_bytes in (1 << 30, 3 * 2 * 2 * 8 * 4 * 4):
         cache = PagedKVCache(KVLayout(2, "fp32", num_kv_heads=2, head_dim=8), 11, 4, "cpu")

@@ -10,12 +10,12 @@ import pytest
 from campaign import assert_campaign_detects
 from conftest import run_cli
 
-from engine.errors import ConfigError, WorkerError
-from engine.faults import FAULT_KINDS, crash_worker
+from engine.core.errors import ConfigError, WorkerError
+from engine.core.memory import kv_bytes_per_token, kv_layout
+from engine.core.sequence import SamplingParams
+from engine.harness.fault_campaign import FAULT_KINDS, crash_worker
 from engine.llm import LLM
-from engine.memory import kv_bytes_per_token, kv_layout
-from engine.sequence import SamplingParams
-from planner.memory_plan import Parallelism, component_bytes_per_gpu, weight_scheme
+from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu, weight_scheme
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -67,7 +67,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path_factory):
 
 @pytest.mark.parametrize("weights,kv_dtype", [("bf16", "bf16"), ("int4", "fp8")])
 def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
-    """Weights by component and the KV pool of every rank, to the byte, against `planner.memory_plan` for
+    """Weights by component and the KV pool of every rank, to the byte, against `planner.cost.memory_plan` for
     two GPUs (the planner's float dtype is bf16, so the engine computes in bf16 here)."""
     with LLM(model=tiny, weights=weights, compute_dtype="bf16" if weights == "int4" else None, kv_dtype=kv_dtype,
              group_size=32, num_threads=1, num_pages=10, tensor_parallel=2) as llm:
@@ -156,7 +156,7 @@ def test_a_two_rank_profile_times_the_collectives(tiny, tmp_path):
     """Each point carries rank 0's time inside collectives and the bytes it sent: per step an all-reduce of
     the embeddings and two per layer (new tokens x hidden, fp32), and an all-gather of its logits' vocabulary
     half per sampled row; the collectives timed alone fit the alpha-beta model."""
-    from planner.communication import fit_alpha_beta
+    from planner.cost.communication import fit_alpha_beta
 
     out = tmp_path / "tp2.profile.json"
     made = run_cli("profile", "--model", tiny, "--device", "cpu", "--threads", "1", "--tensor-parallel", "2",
@@ -200,7 +200,7 @@ def test_the_calibration_fits_a_two_rank_profile(two_rank_profiles):
     """The collectives' latency and link efficiency are fitted to the time each step spent in them; with the
     same model at half the depth, the cost per kernel launched too (one model alone cannot tell it from the
     step overhead); the rest to the step times. Every regime within the calibration's 15%."""
-    from planner.calibration import MAX_MAPE_PCT, calibrate
+    from planner.calibration.profile_fit import MAX_MAPE_PCT, calibrate
 
     deep, shallow = (json.loads(open(two_rank_profiles[layers]).read()) for layers in (8, 4))
     assert deep["model"]["kernels_per_step"] == 8 * (4 + 5 + 2 + 3) + 4

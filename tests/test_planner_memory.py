@@ -6,14 +6,19 @@ import subprocess
 import sys
 
 import pytest
-
-from planner.capacity import Deployment, evaluate, kv_dtype_comparison, weight_dtype_comparison
-from planner.errors import PlannerError
-from planner.hardware import get_hardware, hardware_names
-from planner.memory_plan import (Parallelism, component_bytes_per_gpu, kv_bytes_per_token_total, plan_memory,
-                                 weight_scheme)
-from planner.models import CONFIGS, get_model, model_names, spec_from_config
 from conftest import REPO
+
+from planner.catalog.hardware import get_hardware, hardware_names
+from planner.catalog.models import CONFIGS, get_model, model_names, spec_from_config
+from planner.cost.memory_plan import (
+    Parallelism,
+    component_bytes_per_gpu,
+    kv_bytes_per_token_total,
+    plan_memory,
+    weight_scheme,
+)
+from planner.deployment.capacity import Deployment, evaluate, kv_dtype_comparison, weight_dtype_comparison
+from planner.errors import PlannerError
 
 B = 1e9
 
@@ -89,8 +94,8 @@ def test_every_preset_parses_and_components_add_up():
 
 def test_engine_info_and_the_planner_agree_on_smollm2_bytes_by_component():
     """One description, one byte arithmetic: the engine's report of a scheme equals the planner's on one GPU."""
-    from engine.config import EngineConfig
-    from engine.loader import resolve, weight_bytes_report
+    from engine.core.config import EngineConfig
+    from engine.model.loader import resolve, weight_bytes_report
 
     config = json.loads((CONFIGS / "smollm2-135m.json").read_text())
     planner_model = spec_from_config(config, "smollm2-135m")
@@ -205,8 +210,8 @@ def test_int4_against_fp8_weights_on_a_memory_bound_decode():
 
 
 def test_import_planner_does_not_import_torch():
-    code = ("import sys, planner, planner.cli, planner.capacity, planner.models, planner.memory_plan, "
-            "planner.calibration, planner.hardware, planner.step_model; "
+    code = ("import sys, planner, planner.cli, planner.deployment.capacity, planner.catalog.models, planner.cost.memory_plan, "
+            "planner.calibration.profile_fit, planner.catalog.hardware, planner.cost.step_model; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr

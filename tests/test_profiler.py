@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.profile_format import PROFILE_VERSION, REGIMES
+from engine.harness.profiler import MAX_TIMINGS_PER_PASS, SECONDS_PER_POINT_PER_PASS, Profiler, SweepPlan
 from engine.llm import LLM
-from engine.profile_format import PROFILE_VERSION, REGIMES
-from engine.profiler import MAX_TIMINGS_PER_PASS, SECONDS_PER_POINT_PER_PASS, Profiler, SweepPlan
 
 
 @pytest.fixture(scope="module")

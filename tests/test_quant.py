@@ -5,12 +5,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.errors import ConfigError
-from engine.memory import WeightFormat
-from engine.quant import (FP8_MAX, dequantize_fp8, dequantize_int4, fp8_per_head_scale, fp8_per_tensor_scale,
-                          int4_from_gguf_q4_1, pack_int4, quantize_fp8, quantize_fp8_weight, quantize_int4,
-                          unpack_int4)
-from engine.quantized_linear import Fp8Linear, Int4Linear, linear_weight_bytes, quantize_linears
+from engine.core.errors import ConfigError
+from engine.core.memory import WeightFormat
+from engine.model.quant import (
+    FP8_MAX,
+    dequantize_fp8,
+    dequantize_int4,
+    fp8_per_head_scale,
+    fp8_per_tensor_scale,
+    int4_from_gguf_q4_1,
+    pack_int4,
+    quantize_fp8,
+    quantize_fp8_weight,
+    quantize_int4,
+    unpack_int4,
+)
+from engine.model.quantized_linear import Fp8Linear, Int4Linear, linear_weight_bytes, quantize_linears
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,7 +80,7 @@ def test_bad_formats_are_rejected():
 def test_gguf_q4_1_moves_bits_exactly(smollm_path):
     from gguf.quants import dequantize
 
-    from engine.loader import _read_gguf
+    from engine.model.loader import _read_gguf
 
     reader, _ = _read_gguf(smollm_path)
     tensor = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
@@ -103,9 +113,9 @@ def test_fp8_linear_matches_reference(rows):
 
 
 def test_swap_replaces_decoder_linears_and_bytes_match_the_memory_model():
-    from engine.memory import decoder_linear_bytes
-    from engine.models.llama import LlamaModel
-    from engine.spec import DECODER_COMPONENTS, spec_from_config
+    from engine.core.memory import decoder_linear_bytes
+    from engine.core.spec import DECODER_COMPONENTS, spec_from_config
+    from engine.model.architectures.llama import LlamaModel
 
     config = spec_from_config({"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -118,7 +128,7 @@ def test_swap_replaces_decoder_linears_and_bytes_match_the_memory_model():
 
 
 def test_fp8_on_a_torch_without_it_is_a_clear_error(monkeypatch):
-    import engine.quant as quant
+    import engine.model.quant as quant
 
     monkeypatch.setattr(quant, "FP8_DTYPE", None)
     with pytest.raises(ConfigError, match="has no float8_e4m3fn"):

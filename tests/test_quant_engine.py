@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
-from engine.evaluate import perplexity
+
+from engine.core.sequence import SamplingParams
+from engine.harness.perplexity import perplexity
 from engine.llm import LLM
-from engine.quantized_linear import linear_weight_bytes
-from engine.sequence import SamplingParams
+from engine.model.quantized_linear import linear_weight_bytes
 
 WINDOWS = 4
 CHATS = ["What is the capital of France?", "Name three primary colours.",

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine.errors import RequestError
-from engine.sampler import filter_logits, sample
-from engine.sequence import SamplingParams
+from engine.core.errors import RequestError
+from engine.core.sequence import SamplingParams
+from engine.executor.sampler import filter_logits, sample
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import sys
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.config import SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SamplingParams, Sequence
 
 
 def make(config: SchedulerConfig) -> Scheduler:
@@ -31,7 +31,7 @@ def run_step(scheduler: Scheduler, token: int = 5):
 def test_scheduler_is_torch_free():
     import subprocess
 
-    code = "import engine.scheduler, engine.block_manager, engine.memory, sys; assert 'torch' not in sys.modules"
+    code = "import engine.core.scheduler, engine.core.block_manager, engine.core.memory, sys; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

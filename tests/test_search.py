@@ -8,17 +8,17 @@ import sys
 from dataclasses import replace
 
 import pytest
+from conftest import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
-from planner.capacity import Deployment, simulate
-from planner.hardware import get_hardware
-from planner.memory_plan import plan_memory
-from planner.models import get_model
-from planner.search import Ranked, SearchResult, SearchSpace, Slo, cheapest_fleet, run_search
-from planner.sweep import ResultCache
-from planner.workload import LengthDistribution, Workload
+from planner.catalog.hardware import get_hardware
+from planner.catalog.models import get_model
+from planner.cost.memory_plan import plan_memory
+from planner.deployment.capacity import Deployment, simulate
+from planner.search.deployments import Ranked, SearchResult, SearchSpace, Slo, cheapest_fleet, run_search
+from planner.search.executors import ResultCache
+from planner.simulation.workload import LengthDistribution, Workload
 
 SLO = Slo.parse("ttft_p99_s=1.5,tpot_p99_s=0.04")
 WORKLOAD = Workload("poisson", 60, rate=1.0, prompt=LengthDistribution("lognormal", 800, sigma=0.5, maximum=4096),

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import run_cli
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2-135m"
 PROMPT = "The three primary colours are"
@@ -25,9 +24,9 @@ MAX_TOKENS = 8
 def served(tmp_path_factory):
     """A server on a free port of 127.0.0.1 that traces its steps, its engine, and greedy references taken before
     it started."""
+    from engine.core.sequence import SamplingParams
     from engine.llm import LLM
-    from engine.sequence import SamplingParams
-    from engine.server import ServerConfig, build_app, serve_in_thread
+    from engine.server.app import ServerConfig, build_app, serve_in_thread
 
     llm = LLM(model=MODEL, weights="fp32", device="cpu", max_num_seqs=64, kv_cache_gib=0.25)
     reference = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
@@ -215,7 +214,7 @@ def test_disconnect_mid_stream_aborts_and_frees_the_pages(served):
     stream = client(served).completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
                                                extra_body={"ignore_eos": True})
     received = 0
-    for chunk in stream:
+    for _chunk in stream:
         received += 1
         if received == 2:
             break
@@ -267,7 +266,7 @@ def test_64_concurrent_streams_and_the_token_counters(served):
 
 
 def test_integrity_violation_fails_only_its_request(served):
-    from engine.faults import inject
+    from engine.harness.fault_campaign import inject
 
     engine = served["engine"]
     before = metrics(served)

@@ -9,14 +9,14 @@ import time
 
 import numpy as np
 import pytest
-
-from engine.config import SchedulerConfig
-from planner.capacity import Deployment, preemption_onset
-from planner.errors import PlannerError
-from planner.simulator import Simulation, model_step_time, replayed_step_time
-from planner.step_model import BatchShape
-from planner.workload import LengthDistribution, RequestSpec, Workload, read_trace
 from conftest import REPO
+
+from engine.core.config import SchedulerConfig
+from planner.cost.step_model import BatchShape
+from planner.deployment.capacity import Deployment, preemption_onset
+from planner.errors import PlannerError
+from planner.simulation.simulator import Simulation, model_step_time, replayed_step_time
+from planner.simulation.workload import LengthDistribution, RequestSpec, Workload, read_trace
 
 
 def toy_step(batch: BatchShape) -> float:
@@ -166,8 +166,8 @@ def test_simulator_replays_the_engines_batches(english_prompts):
     """The real engine serves staggered requests on a virtual clock; the simulator, given the engine's
     measured step durations, forms exactly the same batches (ids, starts, token counts) in the same order.
     Work between steps (here a sleep, in verification the drift probes) stays out of the served timeline."""
+    from engine.harness.served_run import ServeRequest, serve
     from engine.llm import LLM
-    from engine.serving import ServeRequest, serve
 
     llm = LLM(model="smollm2-135m", device="cpu", num_pages=24, page_size=8, max_num_batched_tokens=96,
               max_num_seqs=6, integrity="off")
@@ -213,7 +213,7 @@ def sparse_step(batch: BatchShape) -> float:
 def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk, num_pages, replicas, monkeypatch):
     """Dense and sparse step prices, two replicas, a pool small enough to preempt: the same first tokens, ends,
     steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run."""
-    from planner.simulator import Replica
+    from planner.simulation.simulator import Replica
 
     windows = []
     original = Replica.decode_window

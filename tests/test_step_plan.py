@@ -1,7 +1,7 @@
 """The step plan every rank runs: dropping items renumbers rows the same way on every rank."""
 from __future__ import annotations
 
-from engine.step_plan import StepPlan
+from engine.executor.step_plan import StepPlan
 
 
 def plan_of_two_decodes_and_two_prefills() -> StepPlan:

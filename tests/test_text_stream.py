@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.text_stream import TextStream
+from engine.server.text_stream import TextStream
 
 
 def byte_tokens(*pieces: bytes):

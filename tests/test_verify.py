@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from conftest import REPO, run_cli
 
 
@@ -59,7 +58,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
 
 
 def test_cpu_steal_share_between_two_readings():
-    from planner.verify import cpu_ticks, steal_pct
+    from planner.verification.verify import cpu_ticks, steal_pct
 
     assert steal_pct((100, 1000), (130, 1600)) == 5.0
     assert steal_pct(None, (130, 1600)) is None and steal_pct((100, 1000), (100, 1000)) is None
@@ -74,7 +73,7 @@ def _decode_probe(num_decodes: int, median_s: float) -> dict:
 def test_drift_is_taken_from_the_probes_nearest_each_served_step():
     """A minute of a slow machine (ratios 2) between fast ones (1): the steps served in it are scaled by 2,
     the others by 1, and one slow probe among fast ones moves nothing (the median of the nearest four)."""
-    from planner.verify import DriftProbes
+    from planner.verification.verify import DriftProbes
 
     probes = DriftProbes(profiler=None, samples=[_decode_probe(1, 1.0), _decode_probe(1, 2.0)], every=1)
     probes.timeline = [(step, 0, 1.0) for step in range(10)] + [(step, 1, 4.0) for step in range(10, 20)]
@@ -87,7 +86,7 @@ def test_drift_is_taken_from_the_probes_nearest_each_served_step():
 def test_drift_of_each_step_follows_the_probe_most_like_it():
     """The machine 10% slower for prefills and small decodes, 10% faster for big decodes, all run long: a step
     takes the factor of the probe of its own regime, decodes the one nearest in batch size."""
-    from planner.verify import DriftProbes
+    from planner.verification.verify import DriftProbes
 
     samples = [{"kind": "prefill", "batch": {"num_decodes": 0}, "median_s": 1.0}, _decode_probe(1, 1.0),
                _decode_probe(32, 1.0)]

@@ -6,11 +6,11 @@ import random
 
 import pytest
 import torch
-
 from conftest import REPO
-from engine.faults import OWNERSHIP_FAULTS, run_trial
+
+from engine.core.sequence import SamplingParams
+from engine.harness.fault_campaign import OWNERSHIP_FAULTS, run_trial
 from engine.llm import LLM
-from engine.sequence import SamplingParams
 
 SMOLLM_CONFIG = str(REPO / "planner" / "data" / "model-configs" / "smollm2-135m.json")
 GLM_CONFIG = str(REPO / "planner" / "data" / "model-configs" / "glm-5.2.json")

@@ -3,9 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import (
+    fp8_case,
+    indexer_case,
+    int4_case,
+    mla_case,
+    ownership_case,
+    paged_case,
+    relative_error,
+    sparse_mla_case,
+)
 
-from kernel_cases import (fp8_case, indexer_case, int4_case, mla_case, ownership_case, paged_case, relative_error,
-                          sparse_mla_case)
 from engine.kernels import reference
 from engine.kernels.fp8_matmul import w8a16_matmul
 from engine.kernels.indexer_scores import paged_indexer_scores

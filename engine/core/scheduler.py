@@ -1,0 +1,203 @@
+"""Continuous batching. Torch-free: the simulator drives this very class with a simulated clock.
+
+The step interface is two calls: `schedule()` forms the batch of the next step, `update()` takes what
+the step produced. Each step spends a budget of `max_num_batched_tokens`:
+
+1. running sequences, oldest first, each gets its next token (decode) or the next chunk of its prompt;
+   when the pool cannot hold them, the newest running sequence is preempted by recompute: its pages
+   are freed and it goes back to the front of the waiting queue, keeping the tokens it generated
+   (the oldest running sequences that all decode, when the pool takes them all, are scheduled in one go:
+   the same batch, without the per-sequence checks);
+2. then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget,
+   `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
+
+Prefill chunks and decodes share one step.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from engine.core.block_manager import BlockManager
+from engine.core.config import SchedulerConfig
+from engine.core.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class ScheduledSequence:
+    """A sequence in this step: it computes tokens [start, start + num_new_tokens).
+
+    A plain slotted class, not a dataclass: hundreds are made per step.
+    """
+
+    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples")
+
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool | None = None) -> None:
+        self.seq = seq
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.end = start + num_new_tokens
+        # the step reaches the last known token: one is sampled (known at schedule time, told when made later)
+        self.samples = self.end == seq.num_tokens if samples is None else samples
+
+    def __repr__(self) -> str:
+        return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens})"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+class SchedulerOutput:
+    """A step's batch, in two parts. `decodes`: the oldest running sequences, each computing its one next token
+    (at `decode_starts`), kept as bare sequences because the simulator reads every step's batch and a step can
+    hold hundreds of them; `chunks`: the rest, as items (prefill chunks, decodes scheduled one at a time).
+    `scheduled` is the whole batch as items, decodes first, made when first asked for."""
+
+    __slots__ = ("decodes", "decode_starts", "chunks", "preempted", "_scheduled")
+
+    def __init__(self) -> None:
+        self.decodes: list[Sequence] = []
+        self.decode_starts: list[int] = []
+        self.chunks: list[ScheduledSequence] = []
+        self.preempted: list[Sequence] = []
+        self._scheduled: list[ScheduledSequence] | None = None
+
+    @property
+    def scheduled(self) -> list[ScheduledSequence]:
+        if self._scheduled is None:
+            self._scheduled = [ScheduledSequence(seq, start, 1, True)
+                               for seq, start in zip(self.decodes, self.decode_starts)] + self.chunks
+        return self._scheduled
+
+    def drop_finished(self) -> None:
+        """Takes the sequences finished since scheduling (aborted) out of the batch."""
+        kept = [(seq, start) for seq, start in zip(self.decodes, self.decode_starts) if not seq.is_finished]
+        self.decodes, self.decode_starts = [seq for seq, _ in kept], [start for _, start in kept]
+        self.chunks = [item for item in self.chunks if not item.seq.is_finished]
+        self._scheduled = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(item.num_new_tokens for item in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
+        self.config = config
+        self.block_manager = block_manager or BlockManager(config.num_pages, config.page_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """Removes a sequence wherever it is and frees its pages; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq_id)
+                    seq.finish(reason)
+                    return seq
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        manager, running, chunks = self.block_manager, self.running, out.chunks
+        index = self.decode_prefix(budget)
+        if index and manager.append_decodes([seq.seq_id for seq in running[:index]]):
+            # the oldest running sequences all decode and the pool takes them all: that part of the batch at once
+            out.decodes = running[:index]
+            out.decode_starts = [seq.num_computed_tokens for seq in out.decodes]
+            budget -= index
+        else:
+            index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not manager.can_append(seq.seq_id, num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                manager.append(seq.seq_id, num_new)
+                chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                index += 1
+
+        while not out.preempted:
+            num_new = self.admissible(budget)
+            if num_new is None:
+                break
+            seq = self.waiting.popleft()
+            self.block_manager.allocate(seq.seq_id, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def decode_prefix(self, budget: int) -> int:
+        """How many of the oldest running sequences, at most `budget`, each need exactly one token (decode)."""
+        count = 0
+        for seq in self.running:
+            if count == budget or seq.num_tokens - seq.num_computed_tokens != 1:
+                break
+            count += 1
+        return count
+
+    def admissible(self, budget: int) -> int | None:
+        """The tokens of the first waiting sequence that a step with `budget` tokens left would admit (its whole
+        prompt, or a chunk); None when it would admit none."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = self.waiting[0].num_uncomputed_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        return num_new if self.block_manager.can_allocate(num_new) else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int] | None) -> list[Sequence]:
+        """Advances the scheduled sequences; `sampled` maps seq_id to its new token (None: token 0 for every
+        one, as the simulator samples, where lengths alone end requests). Returns the finished."""
+        finished = []
+        max_model_len, done = self.config.max_model_len, SequenceStatus.FINISHED
+        for seq in output.decodes:
+            if seq.status is done:       # aborted between schedule and update
+                continue
+            seq.num_computed_tokens += 1
+            if seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
+                finished.append(seq)
+        for item in output.chunks:
+            seq = item.seq
+            if seq.status is done:
+                continue
+            seq.num_computed_tokens = item.end
+            if item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
+                finished.append(seq)
+        if finished:
+            ended = {id(seq) for seq in finished}
+            self.running = [seq for seq in self.running if id(seq) not in ended]
+            for seq in finished:
+                self.block_manager.free(seq.seq_id)
+        return finished

@@ -1,0 +1,315 @@
+"""KV-cache integrity: every request may read and write only its own pages.
+
+The block manager's tables are what the step reads through; a bug there (a page used after its free, a
+stale or foreign entry, one page handed to two requests) or corrupted page memory would make a request
+answer from someone else's context. This module keeps an independent record on the device and checks
+the step against it before the step runs:
+
+    ownership table (device)    page:    0   1   2   3   4   5
+                                owner:   7  -1   9   7  -1   9      (-1: free)
+                                epoch:   3   5   1   2   4   1      (bumped on every free)
+    block tables of the batch   seq 7: (page 0, epoch 3) (page 3, epoch 2)          ok
+                                seq 9: (page 2, epoch 1) (page 1, epoch 4)          page 1 is free: abort 9
+
+Modes: `off` (no record, nothing on the hot path), `ownership` (the check above, one vectorized
+operation per step, a Triton kernel on CUDA) and `full`: also a checksum of every page's K/V bytes taken
+when the page fills up (sealed) and verified when a step reads it (all pages, or a random sample per
+step), and, for FP8 pages, the per-(layer, head) scales compared with their trusted copy.
+
+A request whose check fails is aborted before the step (finish reason `integrity_error`); its suspect
+pages are quarantined and never return to the free pool; the others go on. Its pages are released
+according to the ownership table, not its (untrusted) block table.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.block_manager import BlockManager
+from engine.core.config import INTEGRITY_MODES
+from engine.core.memory import pages_filled
+from engine.core.scheduler import ScheduledSequence
+from engine.executor.step_plan import StepPlan
+from engine.model.kv_cache import PagedKVCache
+from engine.parallel.group import TensorGroup
+
+FREE = -1
+CHECKSUM_CHUNK_PAGES = 64
+KIND_CODES = {"ownership": 1, "checksum": 2, "fp8_scale": 3}      # the agreement's encoding; the worst wins
+KINDS = {code: kind for kind, code in KIND_CODES.items()}
+
+log = logging.getLogger("engine.executor.integrity")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One failed check. `page` is None for a corrupted FP8 scale, which concerns every page."""
+
+    seq_id: int
+    kind: str                   # "ownership" | "checksum" | "fp8_scale"
+    page: int | None
+    expected_owner: int | None = None
+    found_owner: int | None = None
+    expected_epoch: int | None = None
+    found_epoch: int | None = None
+    rank: int = 0               # the tensor-parallel rank whose record or shard failed
+
+    def describe(self) -> str:
+        where = f" on rank {self.rank}" if self.rank else ""
+        if self.kind == "ownership" and self.page is None:
+            return f"request {self.seq_id}: its block table fails the ownership check{where}"
+        if self.kind == "ownership":
+            return (f"request {self.seq_id}: page {self.page} expected owner {self.expected_owner} epoch "
+                    f"{self.expected_epoch}, found owner {self.found_owner} epoch {self.found_epoch}{where}")
+        if self.kind == "checksum":
+            return f"request {self.seq_id}: sealed page {self.page} fails its checksum{where}"
+        return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy{where}"
+
+
+def checksum_weights(kv_cache: PagedKVCache, seed: int = 0) -> list[torch.Tensor]:
+    """Random odd 64-bit weights, one per 8-byte word of a page in each layer of each pool (K and V, or the
+    latent; a DSA model's indexer keys and their scales too): [layers, 1, words per page] per pool.
+
+    Multiplying by an odd number is a bijection modulo 2**64, so any change within one word (a flipped
+    bit, a burst) changes that word's term and hence the checksum.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    weights = []
+    for pool in kv_cache.pools:
+        words_per_page = pool[0, 0].numel() * pool.element_size() // 8
+        drawn = torch.randint(-(1 << 62), 1 << 62, (pool.shape[0], 1, words_per_page), generator=generator)
+        weights.append((drawn * 2 + 1).to(pool.device))
+    return weights
+
+
+def page_checksums(kv_cache: PagedKVCache, pages: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """One int64 checksum per page: sum over layers and pools of word × weight, wrapping modulo 2**64."""
+    sums = []
+    for chunk in pages.split(CHECKSUM_CHUNK_PAGES):
+        total = torch.zeros(len(chunk), dtype=torch.int64, device=pages.device)
+        for pool, pool_weights in zip(kv_cache.pools, weights):
+            words = pool[:, chunk].reshape(pool.shape[0], len(chunk), -1).view(torch.int64)
+            total += (words * pool_weights).sum(dim=(0, 2))
+        sums.append(total)
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=pages.device)
+
+
+class PageRecord:
+    """The device record of who owns which page, and the checks of block tables against it.
+
+    Rank 0's `IntegrityChecker` keeps it from the block manager's grants and releases; a tensor-parallel
+    worker keeps its own from the updates rank 0 sends with each plan, and checks the plan's tables against
+    it (and, in `full` mode, its own shard's pages and scales), so a fault on any rank is seen where it is.
+    """
+
+    def __init__(self, mode: str, num_pages: int, kv_cache: PagedKVCache, sample_pages: int = 0,
+                 seed: int = 0) -> None:
+        if mode not in INTEGRITY_MODES[1:]:
+            raise ValueError(f"unknown integrity mode {mode!r} (choose from {', '.join(INTEGRITY_MODES)})")
+        self.mode = mode
+        self.num_pages = num_pages
+        self.kv_cache = kv_cache
+        self.sample_pages = sample_pages
+        device = kv_cache.device
+        self.device = device
+        self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
+        self.full = mode == "full"
+        if self.full:
+            page_bytes = [pool[0, 0].numel() * pool.element_size() for pool in kv_cache.pools]
+            if any(size % 8 for size in page_bytes):
+                raise ValueError(f"full integrity checks need pages of a multiple of 8 bytes in every layer, got "
+                                 f"{page_bytes}")
+            self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)
+            self.checksums = torch.zeros(num_pages, dtype=torch.int64, device=device)
+            self.weights = checksum_weights(kv_cache, seed)
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+            self.trust_scales()
+
+    def apply(self, updates: list[tuple[int, int, int]]) -> None:
+        """Writes (page, owner, epoch) updates in one go; a page whose owner changes is no longer sealed."""
+        if not updates:
+            return
+        values = torch.tensor(updates, dtype=torch.int64).to(self.device)
+        self.owners[values[:, 0]] = values[:, 1]
+        self.epochs[values[:, 0]] = values[:, 2]
+        if self.full:
+            self.sealed[values[:, 0]] = False
+
+    def holders(self) -> list[int]:
+        return torch.unique(self.owners[self.owners != FREE]).tolist()
+
+    def check_tables(self, tables: list[tuple[int, list[int], list[int]]]) -> list[Violation]:
+        """Checks (sequence, pages, leases) tables (and in `full` mode their sealed pages) before a step."""
+        entries = self._entries(tables)
+        bad = self._failing(entries)
+        found = [self._ownership_violation(int(entries[1, i]), int(entries[0, i]), int(entries[2, i]))
+                 for i in bad]
+        if self.full:
+            found += self._verify_pages(entries, bad)
+            found += self._verify_scales()
+        return found
+
+    def _entries(self, tables: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
+        pages, owners, leases = [], [], []
+        for seq_id, table, table_leases in tables:
+            pages.extend(table)
+            leases.extend(table_leases)
+            owners.extend([seq_id] * len(table))
+        return torch.tensor([pages, owners, leases], dtype=torch.int64).reshape(3, -1).to(self.device)
+
+    def _failing(self, entries: torch.Tensor) -> list[int]:
+        if entries.device.type == "cuda":
+            from engine.kernels.ownership_check import ownership_check
+        else:
+            from engine.kernels.reference import ownership_check
+        bad = ownership_check(entries, self.owners, self.epochs)
+        return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
+
+    def _ownership_violation(self, seq_id: int, page: int, lease: int) -> Violation:
+        in_range = 0 <= page < self.num_pages
+        return Violation(seq_id, "ownership", page, seq_id, int(self.owners[page]) if in_range else None,
+                         lease, int(self.epochs[page]) if in_range else None)
+
+    def _verify_pages(self, entries: torch.Tensor, failed: list[int]) -> list[Violation]:
+        ok = torch.ones(entries.shape[1], dtype=torch.bool, device=self.device)
+        ok[failed] = False
+        candidates = torch.nonzero(ok & self.sealed[torch.where(ok, entries[0], 0)]).flatten()
+        if self.sample_pages and len(candidates) > self.sample_pages:
+            pick = torch.randperm(len(candidates), generator=self._generator, device=self.device)
+            candidates = candidates[pick[:self.sample_pages]]
+        if not len(candidates):
+            return []
+        pages = entries[0, candidates]
+        mismatched = page_checksums(self.kv_cache, pages, self.weights) != self.checksums[pages]
+        return [Violation(int(entries[1, i]), "checksum", int(entries[0, i]))
+                for i in candidates[mismatched].tolist()]
+
+    def _verify_scales(self) -> list[Violation]:
+        """A corrupted scale changes how every page of its layer reads: all requests holding pages are hit."""
+        if not self.kv_cache.is_fp8:
+            return []
+        if all(torch.equal(scale, trusted) for scale, trusted in zip(self.kv_cache.scales, self._trusted_scales)):
+            return []
+        self.kv_cache.set_scales(*self._trusted_scales)
+        return [Violation(seq_id, "fp8_scale", None) for seq_id in self.holders()]
+
+    def trust_scales(self) -> None:
+        """Takes the current FP8 scales as the reference (after calibration or `set_scales`)."""
+        if self.full and self.kv_cache.is_fp8:
+            self._trusted_scales = tuple(scale.clone() for scale in self.kv_cache.scales)
+
+    def seal_pages(self, pages: list[int]) -> None:
+        """After a step's KV writes: records the checksum of every page that became full in it."""
+        if not self.full or not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.checksums[index] = page_checksums(self.kv_cache, index, self.weights)
+        self.sealed[index] = True
+
+
+class IntegrityChecker(PageRecord):
+    """Rank 0's record: the block manager's guard, which the manager reports every grant and release to and
+    asks, when freeing a table, which pages the sequence really holds. Under tensor parallelism it also keeps
+    the updates for the other ranks' records (`take_updates`)."""
+
+    def __init__(self, mode: str, block_manager: BlockManager, kv_cache: PagedKVCache,
+                 sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
+        super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
+        self.block_manager = block_manager
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._outbox: list[tuple[int, int, int]] | None = [] if tensor_parallel > 1 else None
+        self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
+        block_manager.guard = self
+
+    # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
+    def granted(self, seq_id: int, page: int, epoch: int) -> None:
+        self._pending[page] = (seq_id, epoch)
+
+    def released(self, page: int, epoch: int) -> None:
+        self._pending[page] = (FREE, epoch)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        updates = [(page, owner, epoch) for page, (owner, epoch) in self._pending.items()]
+        self.apply(updates)
+        if self._outbox is not None:
+            self._outbox.extend(updates)
+        self._pending.clear()
+
+    def take_updates(self) -> list[tuple[int, int, int]]:
+        """The record's changes since the last call, in order, for the other ranks' records."""
+        self._flush()
+        if self._outbox is None:
+            return []
+        updates, self._outbox = self._outbox, []
+        return updates
+
+    def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
+        """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
+        self._flush()
+        bad = self._failing(self._entries([(seq_id, pages, leases)]))
+        suspects = [pages[i] for i in bad]
+        for i in bad:
+            self.violations.append(self._ownership_violation(seq_id, pages[i], leases[i]))
+        return self.owned_by(seq_id), suspects
+
+    def ownership(self) -> tuple[list[int], list[int]]:
+        """(owner, epoch) of every page as the device holds them; for tests and debugging."""
+        self._flush()
+        return self.owners.tolist(), self.epochs.tolist()
+
+    def owned_by(self, seq_id: int) -> list[int]:
+        self._flush()
+        return torch.nonzero(self.owners == seq_id).flatten().tolist()
+
+    def take_violations(self) -> list[Violation]:
+        found, self.violations = self.violations, []
+        return found
+
+    def holders(self) -> list[int]:
+        self._flush()
+        return super().holders()
+
+    def check(self, items: list[ScheduledSequence]) -> list[Violation]:
+        """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs."""
+        self._flush()
+        return self.check_tables([(item.seq.seq_id, self.block_manager.block_table(item.seq.seq_id),
+                                   self.block_manager.leases(item.seq.seq_id)) for item in items])
+
+    def seal(self, items: list[ScheduledSequence]) -> None:
+        """After a step's KV writes: seals the pages that became full in it."""
+        if not self.full:
+            return
+        self._flush()
+        page_size = self.block_manager.page_size
+        self.seal_pages([page for item in items for page in pages_filled(
+            self.block_manager.block_table(item.seq.seq_id), item.start, item.end, page_size)])
+
+
+def agree(group: TensorGroup, plan: StepPlan, found: list[Violation]) -> dict[int, Violation]:
+    """What every rank found wrong with the plan's items, known to every rank, by item.
+
+    One small all-reduce (max) of a [3, items + 1] table: per item the worst kind found, the failing page
+    + 1 (checksums: rank 0 quarantines it) and the rank; the last column says a rank's FP8 scales were
+    corrupted, which concerns every item. Every rank then drops the same items (`StepPlan.without`).
+    """
+    table = torch.zeros(3, plan.num_items + 1, dtype=torch.int64)
+    item_of = {seq_id: item for item, seq_id in enumerate(plan.seq_ids)}
+    for violation in found:
+        column = plan.num_items if violation.kind == "fp8_scale" else item_of[violation.seq_id]
+        page = violation.page + 1 if violation.kind == "checksum" else 0
+        table[:, column] = torch.maximum(table[:, column],
+                                         torch.tensor([KIND_CODES[violation.kind], page, group.rank]))
+    table = group.max_over_ranks(table).cpu()
+    if table[0, -1]:
+        rank = int(table[2, -1])
+        return {item: Violation(seq_id, "fp8_scale", None, rank=rank) for item, seq_id in enumerate(plan.seq_ids)}
+    agreed = {}
+    for item in torch.nonzero(table[0, :-1]).flatten().tolist():
+        code, page, rank = table[:, item].tolist()
+        agreed[item] = Violation(plan.seq_ids[item], KINDS[code], page - 1 if page else None, rank=rank)
+    return agreed

@@ -1,0 +1,155 @@
+"""Runs one scheduled step on the model: a plan of flat inputs and block tables, the forward pass, sampling.
+
+The plan is plain lists (`engine.executor.step_plan.StepPlan`) so that a tensor-parallel engine's rank 0 can send
+it to the other ranks, which run the same forward pass on it (`forward_plan`)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.block_manager import BlockManager
+from engine.core.errors import RequestError
+from engine.core.memory import pages_for_tokens
+from engine.core.scheduler import ScheduledSequence, SchedulerOutput
+from engine.executor.integrity import IntegrityChecker, Violation, agree
+from engine.executor.sampler import sample
+from engine.executor.step_plan import StepPlan
+from engine.model.architectures.base import DecoderModel
+from engine.model.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
+from engine.model.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from engine.executor.faults import WorkerFault
+    from engine.executor.workers import Workers  # rank 0's handle on the others: workers run this runner
+
+
+@torch.inference_mode()
+def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, page_size: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """The plan's forward pass on this rank's shard: float32 logits [rows, vocab] of the plan's logit rows
+    (every row when it names none), or None when it wants no logits."""
+    if not plan.token_ids:
+        return None
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    width = max((len(t) for t in plan.decode_tables), default=0)
+    padded = [t + [0] * (width - len(t)) for t in plan.decode_tables]
+    context_lens = tensor(plan.decode_lens)
+    meta = AttentionMetadata(
+        slot_mapping=tensor(plan.slots),
+        num_decodes=len(plan.decode_tables),
+        decode_block_tables=tensor(padded).reshape(len(plan.decode_tables), width),
+        decode_context_lens=context_lens,
+        decode_mask=decode_mask(context_lens, width, page_size),
+        prefills=tuple(PrefillChunk(row, tokens, context, tensor(pages), chunk_causal_mask(tokens, context, device))
+                       for row, tokens, context, pages in plan.prefills),
+    )
+    kv_cache.calibrating = plan.calibrate_kv
+    hidden = model(tensor(plan.token_ids), tensor(plan.positions), kv_cache, meta)
+    if plan.logit_rows == []:
+        return None
+    return model.compute_logits(hidden if plan.logit_rows is None else hidden[tensor(plan.logit_rows)])
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
+                 seed: int = 0, workers: Workers | None = None, integrity: IntegrityChecker | None = None) -> None:
+        self.model = model
+        self.workers = workers
+        self.integrity = integrity
+        self.fail_rank: int | None = None          # fault injection: a worker rank that must fail the next step
+        self.worker_fault: WorkerFault | None = None     # fault injection: one for a worker's own state
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.device = next(model.parameters()).device
+        self.seed = seed
+        self._generators: dict[int, torch.Generator] = {}
+
+    def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
+        seq = item.seq
+        if seq.params.greedy:
+            return None
+        if seq.seq_id not in self._generators:
+            seed = seq.params.seed if seq.params.seed is not None else self.seed * 1_000_003 + seq.seq_id
+            self._generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self._generators[seq.seq_id]
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None) -> StepPlan:
+        """The step's flat inputs from the block tables; `items` must list decodes first. Under tensor
+        parallelism with integrity checks, it also carries each table's leases and the ownership record's
+        changes since the last plan, so that every rank can check the tables itself."""
+        page_size = self.block_manager.page_size
+        check = self.integrity is not None and self.workers is not None
+        plan = StepPlan([], [], [], [], [], [], logit_rows, calibrate_kv=self.kv_cache.calibrating,
+                        fail_rank=self.fail_rank, check=check, worker_fault=self.worker_fault)
+        self.fail_rank, self.worker_fault = None, None
+        for item in items:
+            seq_id = item.seq.seq_id
+            table = self.block_manager.block_table(seq_id)
+            plan.seq_ids.append(seq_id)
+            plan.token_ids.extend(item.seq.token_ids_between(item.start, item.end))
+            span = range(item.start, item.end)
+            plan.positions.extend(span)
+            plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
+            pages = len(table) if item.is_decode else pages_for_tokens(item.end, page_size)
+            if check:
+                plan.leases.append(self.block_manager.leases(seq_id)[:pages])
+            if item.is_decode:
+                plan.decode_tables.append(table)
+                plan.decode_lens.append(item.end)
+            else:
+                plan.prefills.append((len(plan.token_ids) - item.num_new_tokens, item.num_new_tokens, item.end,
+                                      table[:pages]))
+        if check:
+            plan.ownership_updates = self.integrity.take_updates()
+        return plan
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation]]:
+        """Sends the plan to the other ranks (tensor parallelism), agrees with them on the items that fail an
+        integrity check on some rank, and runs this rank's share of the rest. Returns the logits and the
+        dropped items' violations, by item."""
+        dropped: dict[int, Violation] = {}
+        try:
+            if self.workers is not None:
+                self.workers.send(plan)
+                if plan.check:
+                    dropped = agree(self.workers.group, plan, [])     # rank 0 checked its record before planning
+                    plan = plan.without(set(dropped))
+            return forward_plan(self.model, self.kv_cache, plan, self.block_manager.page_size, self.device), dropped
+        except RuntimeError as error:
+            if self.workers is None:
+                raise
+            raise self.workers.failed(error) from None
+
+    def logits(self, items: list[ScheduledSequence]) -> torch.Tensor:
+        """Logits of every computed position, float32 [T, vocab]; for scoring, not serving."""
+        logits, dropped = self.run(self.plan(sorted(items, key=lambda item: not item.is_decode), None))
+        if dropped:
+            raise RequestError("; ".join(violation.describe() for violation in dropped.values()))
+        return logits
+
+    def execute(self, output: SchedulerOutput) -> tuple[dict[int, int], list[Violation]]:
+        """Runs the step: the sampled token of every sequence that reached its last token, and the violations
+        another rank found (their sequences did not run; the caller aborts them)."""
+        items = sorted(output.scheduled, key=lambda item: not item.is_decode)
+        logit_rows = [row for row, item in zip(_last_rows(items), items) if item.samples]
+        logits, dropped = self.run(self.plan(items, logit_rows))
+        sampling = [item for index, item in enumerate(items) if item.samples and index not in dropped]
+        if not sampling:
+            return {}, list(dropped.values())
+        tokens = sample(logits, [item.seq.params for item in sampling], [self._generator(item) for item in sampling])
+        return {item.seq.seq_id: token for item, token in zip(sampling, tokens)}, list(dropped.values())
+
+
+def _last_rows(items: list[ScheduledSequence]) -> list[int]:
+    rows, end = [], 0
+    for item in items:
+        end += item.num_new_tokens
+        rows.append(end - 1)
+    return rows

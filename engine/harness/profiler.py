@@ -1,0 +1,634 @@
+"""Profiles the real engine: step times of prefill (one prompt or several), decode and mixed batches, and its
+memory.
+
+Every sample is a real `LLM.step()` of the configured engine. Decode points need B sequences with C
+tokens already cached; prefilling them for real would take hours on a CPU, so the profiler reserves their
+pages and marks their tokens computed, then times real decode steps over them. What those pages hold
+does matter (FP8 pages convert zeros faster than real K/V), so before the first decode point the whole
+pool is filled with one real prefill's K/V.
+
+The profile is a versioned JSON document:
+
+    {"version", "fingerprint": {engine version, device, cores and torch threads / SMs, memory, torch,
+                                 triton, dtypes, measured copy bandwidth and matmul rate},
+     "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
+     "linears": {"rows", "decoder_s", "head_rows", "head_s"}: the linear layers alone, by row count,
+     "samples": [{"kind": "prefill" | "decode" | "mixed", "batch": {the step's shape}, "times_s": [...],
+                  "median_s", "bytes_moved", "achieved_gb_s"[, "collective_s", "collective_bytes"]}],
+     "collectives": [{"op", "bytes", "ranks", "median_s", "times_s"}]}   (tensor parallelism only)
+
+Under tensor parallelism the times are rank 0's: its share of the work, and the collectives that wait for the
+others (rank 0's time inside them, and the bytes it sent, per step).
+
+`batch` holds the counts the planner's step model reads (`engine.core.profile_format.batch_shape`).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.core.errors import ConfigError
+from engine.core.memory import (
+    dtype_bytes,
+    indexer_bytes_per_token,
+    kv_bytes_per_token,
+    pages_for_tokens,
+    tensor_parallel_traffic,
+)
+from engine.core.profile_format import PROFILE_VERSION, batch_shape, bytes_moved, engine_version
+from engine.core.scheduler import SchedulerOutput
+from engine.core.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.kernels.backend import use_triton
+from engine.llm import LLM
+from engine.model.layers.moe import GroupedExperts
+from engine.model.quantized_linear import Fp8Linear, Int4Linear, fused_rows_limit, linear_weight_bytes
+
+COPY_BYTES = 256 << 20
+MATMUL_SIZE = 2048
+# A point is timed in each pass as often as fits this many seconds (once at least, at most the cap): a step of
+# SmolLM2's single decode jitters +-10% from one step to the next on this VM, and three timings left its
+# median 12% above its neighbours' (the fit then missed every such step a light workload served by 12%)
+SECONDS_PER_POINT_PER_PASS = 0.25
+MAX_TIMINGS_PER_PASS = 8
+# Message sizes (bytes) and repetitions of the collectives timed alone under tensor parallelism: from a decode
+# step's all-reduce of one token's hidden state (a few KB) to a long prefill's (MBs).
+COLLECTIVE_SIZES = [1 << k for k in range(10, 24, 2)]
+COLLECTIVE_REPEATS = 10
+# Row counts at which the linear layers are timed apart (`Profiler.linear_runs`): every count up to 8,
+# then denser than powers of two, since BLAS picks its kernels by row count.
+LINEAR_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256,
+               384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """Which points to time. Points that do not fit the KV pool or the context are left out."""
+
+    prefill_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+    # (tokens in all, prompts): prompts that queued up while a step ran are prefilled together, whole
+    multi_prefills: tuple[tuple[int, int], ...] = ((512, 2), (1024, 4), (2048, 8))
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    decode_contexts: tuple[int, ...] = (128, 512, 2048, 8192, 32768, 131072)
+    # (decodes, their context, prefill tokens[, prompts those tokens are split into; 1 if left out])
+    mixed: tuple[tuple[int, ...], ...] = ((4, 256, 64), (8, 512, 256), (16, 256, 512), (32, 1024, 128),
+                                          (64, 128, 1024), (8, 256, 1024, 4), (16, 256, 2032, 8))
+    warmup: int = 1
+    repeats: int = 3
+    max_kv_tokens: int | None = None    # cap on cached tokens a step reads (the domain a CPU profile covers)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens", "decode_batches", "decode_contexts"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v <= 0 for v in values):
+                raise ConfigError(f"{name} must be positive integers, got {values!r}")
+        for tokens, prompts in self.multi_prefills:
+            if not (isinstance(prompts, int) and isinstance(tokens, int) and 0 < prompts <= tokens):
+                raise ConfigError(f"multi_prefills are (tokens in all, prompts) with 0 < prompts <= tokens, "
+                                  f"got {(tokens, prompts)!r}")
+        for point in self.mixed:
+            if len(point) not in (3, 4) or any(not isinstance(v, int) or v <= 0 for v in point) or (
+                    len(point) == 4 and point[3] > point[2]):
+                raise ConfigError(f"mixed points are (decodes, context, prefill tokens[, prompts <= tokens]) of "
+                                  f"positive integers, got {point!r}")
+        if self.warmup < 0 or self.repeats <= 0:
+            raise ConfigError(f"warmup must be >= 0 and repeats > 0, got {self.warmup}, {self.repeats}")
+
+
+def split_prompts(tokens: int, prompts: int) -> list[int]:
+    """`tokens` split into `prompts` prompts as even as integers allow."""
+    return [tokens // prompts + (index < tokens % prompts) for index in range(prompts)]
+
+
+def _device_fingerprint(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"device": "cuda", "device_name": props.name, "sm_count": props.multi_processor_count,
+                "memory_bytes": props.total_memory, "cores": None, "threads": None}
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return {"device": "cpu", "device_name": cpu_name, "sm_count": None, "memory_bytes": memory,
+            "cores": os.cpu_count(), "threads": torch.get_num_threads()}
+
+
+def hardware_key(device_name: str, device_type: str) -> str | None:
+    """The planner catalogue's name for a device, where it has one."""
+    if device_type == "cpu":
+        return "cpu"
+    name = device_name.lower()
+    for key, marker in (("h200", "h200"), ("h100-sxm", "h100"), ("b200", "b200"), ("a100-80gb", "a100"),
+                        ("l40s", "l40s"), ("l4", "l4")):
+        if marker in name:
+            return key
+    return None
+
+
+def model_name(model: str) -> str:
+    """A preset's name, or a config.json's file stem (random weights of that shape time the same)."""
+    path = Path(model)
+    return path.stem if path.suffix in (".json", ".gguf") else path.name if path.is_dir() else model
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """What this device really moves and computes: a large copy (bytes read + written) and a large matmul."""
+    source = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device).to(dtype)
+    copies, matmuls = [], []
+    for _ in range(5):
+        _synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _synchronize(device)
+        copies.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _synchronize(device)
+        matmuls.append(time.perf_counter() - start)
+    return {"copy_bandwidth_bytes_per_s": 2 * COPY_BYTES / min(copies),
+            "matmul_flops_per_s": 2 * MATMUL_SIZE ** 3 / min(matmuls)}
+
+
+def fingerprint(llm: LLM) -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = _device_fingerprint(llm.device)
+    return {
+        "engine_version": engine_version(),
+        **device,
+        "hardware": hardware_key(device["device_name"], device["device"]),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "model": model_name(llm.config.model),
+        "model_source": llm.config.model,
+        "num_layers": llm.config.num_layers,          # where a config too big for the machine was cut
+        "num_experts": llm.config.num_experts,
+        "weights": llm.config.weights,
+        "group_size": llm.config.group_size if llm.config.weights == "int4" else None,
+        "kv_dtype": llm.kv_layout.dtype,
+        "compute_dtype": llm.compute_dtype,
+        "integrity": llm.config.integrity,
+        "page_size": llm.config.page_size,
+        "tensor_parallel": llm.config.tensor_parallel,
+        "expert_parallel": llm.config.expert_parallel,
+        **measure_peaks(llm.device, next(llm.model.parameters()).dtype),
+    }
+
+
+def model_section(llm: LLM) -> dict[str, Any]:
+    config = llm.model_config
+    head = llm.model.head_weight
+    return {
+        "name": config.name, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn.dense_intermediate, "num_heads": config.attention.num_heads,
+        "num_kv_heads": config.attention.num_kv_heads, "head_dim": config.attention.head_dim,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "num_parameters": config.total_parameters,
+        "num_linear_parameters": config.decoder_linear_parameters,
+        "linear_weight_bytes": linear_weight_bytes(llm.model),
+        "head_weight_bytes": head.nbytes,
+        "weight_bytes": sum(t.nbytes for t in llm.model.state_dict().values()),
+        "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
+        "kernels_per_step": config.kernels_per_step(llm.config.tensor_parallel),
+        # a step of more rows than this widens every quantized weight: written, then read by the matmul
+        "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
+        "dequantized_weight_bytes": 2 * config.decoder_linear_parameters * head.element_size(),
+        **_cost_fields(llm),
+        # the pure-torch decode attention reads every decode's pages padded to the batch's longest
+        "decode_padding_page": None if use_triton(head) else llm.config.page_size,
+        **_collective_fields(llm),
+    }
+
+
+def _collective_fields(llm: LLM) -> dict[str, Any]:
+    """Under tensor parallelism: the step's collectives and their bytes (`engine.core.memory.tensor_parallel_traffic`;
+    the model's FLOP fields stay the whole model's: the planner takes a rank's share)."""
+    ranks = llm.config.tensor_parallel
+    if ranks == 1:
+        return {}
+    config = llm.model_config
+    traffic = tensor_parallel_traffic(config.num_layers, config.hidden_size, config.vocab_size, ranks,
+                                      dtype_bytes(llm.compute_dtype))
+    return {"tensor_parallel": ranks, "collective_calls_per_step": traffic.calls_per_step,
+            "allreduce_bytes_per_token": traffic.allreduce_bytes_per_token,
+            "gather_bytes_per_sequence": traffic.gather_bytes_per_sequence}
+
+
+def routed_experts(model: torch.nn.Module) -> list[GroupedExperts]:
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+
+
+def _cost_fields(llm: LLM) -> dict[str, Any]:
+    """What a step of this architecture computes and reads beyond a dense model's shape: FLOPs per token and
+    per attention pair (MLA decodes in the latent space, prefills expanded, and re-expands a chunk's context),
+    and for MoE the bytes of one routed expert as allocated, which the step reads only for the experts its
+    tokens touch."""
+    config = llm.model_config
+    fields = {"family": config.family, "attention_kind": config.attention.kind,
+              "linear_flops_per_token": config.linear_flops_per_token, **config.attention_flops()}
+    if config.attention.index_topk:      # this engine's prefill attends under a selection mask: densely
+        fields |= {"index_topk": config.attention.index_topk, "indexer_bytes_per_token": indexer_bytes_per_token(
+            llm.kv_layout), "indexer_flops_per_pair": config.indexer_flops_per_pair, "sparse_prefill": False}
+    experts = routed_experts(llm.model)
+    if experts:
+        ffn, local = config.ffn, experts[0].num_experts         # under expert parallelism: this rank's share
+        allocated = sum(t.nbytes for module in experts for t in [*module.parameters(), *module.buffers()])
+        fields |= {"num_moe_layers": ffn.moe_layers, "num_experts": ffn.num_experts,
+                   "experts_per_token": ffn.experts_per_token,
+                   "expert_weight_bytes": allocated / (ffn.moe_layers * local),
+                   **({"local_experts": local} if local != ffn.num_experts else {})}
+    return fields
+
+
+class Profiler:
+    def __init__(self, llm: LLM, plan: SweepPlan | None = None, seed: int = 0) -> None:
+        self.llm = llm
+        self.plan = plan or SweepPlan()
+        self.rng = random.Random(seed)
+        self.model = model_section(llm)
+        self.samples: list[dict[str, Any]] = []
+        self.activation_peak_bytes: int | None = None
+        self.linears: dict[str, list] | None = None
+        self._pool_holds_real_kv = False
+        self._step_collectives: list[tuple[float, int]] = []     # per timed step: seconds and bytes in collectives
+        self.collectives: list[dict[str, Any]] | None = None     # the group's collectives alone, by message size
+
+    def _tokens(self, count: int) -> list[int]:
+        vocab = self.llm.model_config.vocab_size
+        return [self.rng.randrange(vocab) for _ in range(count)]
+
+    def _fill_pool_with_real_kv(self) -> None:
+        """Seeded decodes read pages no step wrote: zeros, which FP8 pages convert 1.7x faster than real
+        K/V (measured on this CPU: 5 ms against 8.5 ms for the same elements), so a profile would promise
+        decode steps the engine never runs. One real prefill's K/V, tiled over the whole pool (on every rank),
+        fixes that."""
+        page = self.llm.config.page_size
+        tokens = min(1024, self.llm.config.max_num_batched_tokens, self.llm.max_model_len - 2,
+                     self.llm.capacity_tokens - page)
+        if tokens < page:
+            return
+        seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True))
+        self.llm.step()                                  # the prefill writes K/V; the sequence still runs
+        written = self.llm.block_manager.block_table(seq_id)[:tokens // page]
+        self.llm.kv_cache.tile(written)
+        if self.llm.workers is not None:             # every rank's shard of the pool, from its own K/V
+            self.llm.workers.tile_kv(written)
+        self._clear()
+        self._pool_holds_real_kv = True
+
+    def _seed_decodes(self, batch: int, context: int, max_tokens: int) -> list[Sequence]:
+        """`batch` running sequences with `context - 1` tokens cached: their next step decodes at `context`."""
+        if not self._pool_holds_real_kv:
+            self._fill_pool_with_real_kv()
+        seqs = []
+        for _ in range(batch):
+            seq = Sequence(self._tokens(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            self.llm.block_manager.allocate(seq.seq_id, context - 1)
+            seq.num_computed_tokens = context - 1
+            seq.status = SequenceStatus.RUNNING
+            self.llm.scheduler.running.append(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _clear(self) -> None:
+        for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
+            self.llm.abort(seq.seq_id)
+
+    def _seconds(self, run: Callable[[], Any]) -> float:
+        _synchronize(self.llm.device)
+        start = time.perf_counter()
+        run()
+        _synchronize(self.llm.device)
+        return time.perf_counter() - start
+
+    def _timed_step(self) -> tuple[float, SchedulerOutput]:
+        stats = self.llm.model.group.stats
+        seconds, moved = stats.seconds, stats.bytes
+        elapsed = self._seconds(self.llm.step)
+        self._step_collectives.append((stats.seconds - seconds, stats.bytes - moved))
+        return elapsed, self.llm.last_output
+
+    def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
+        """The sample of the timed steps; under tensor parallelism also the median time rank 0 spent in
+        collectives in one of them, and the bytes it sent into them (the same in every repetition)."""
+        sample = self._sample(kind, batch_shape(output, self.llm.model_config.attention.index_topk), times)
+        timed, self._step_collectives = self._step_collectives[-len(times):], []
+        if self.llm.model.group.size > 1:
+            sample["collective_s"] = round(statistics.median(seconds for seconds, _ in timed), 7)
+            sample["collective_bytes"] = timed[-1][1]
+        return sample
+
+    def _sample(self, kind: str, batch: dict[str, int], times: list[float]) -> dict[str, Any]:
+        median = statistics.median(times)
+        moved = bytes_moved(self.model, batch)
+        return {"kind": kind, "batch": batch, "times_s": [round(t, 6) for t in times],
+                "median_s": round(median, 6), "bytes_moved": moved, "achieved_gb_s": round(moved / median / 1e9, 3)}
+
+    def _prompts_fit(self, tokens: int, prompts: int, pages_taken: int = 0) -> bool:
+        """`prompts` prompts of `tokens` in all, prefilled in one step beside `pages_taken` pages of decodes."""
+        page = self.llm.config.page_size
+        parts = split_prompts(tokens, prompts)
+        return (max(parts) < self.llm.max_model_len and tokens <= self.llm.config.max_num_batched_tokens
+                and (pages_taken + sum(pages_for_tokens(n + 1, page) for n in parts)) * page
+                <= self.llm.capacity_tokens)
+
+    def _prefill_fits(self, tokens: int, prompts: int = 1) -> bool:
+        return prompts <= self.llm.config.max_num_seqs and self._prompts_fit(tokens, prompts)
+
+    def _decode_fits(self, batch: int, context: int) -> bool:
+        steps = self.plan.warmup + max(self.plan.repeats, MAX_TIMINGS_PER_PASS) + 1
+        capacity = self.llm.capacity_tokens
+        page = self.llm.config.page_size
+        return (context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
+                and batch * pages_for_tokens(context + steps, page) * page <= capacity
+                and batch * context <= (self.plan.max_kv_tokens or capacity))
+
+    def _mixed_fits(self, batch: int, context: int, prefill: int, prompts: int = 1) -> bool:
+        page = self.llm.config.page_size
+        return (context + 2 < self.llm.max_model_len
+                and batch * context + prefill <= (self.plan.max_kv_tokens or self.llm.capacity_tokens)
+                and batch + prompts <= self.llm.config.max_num_seqs
+                and batch + prefill <= self.llm.config.max_num_batched_tokens
+                and self._prompts_fit(prefill, prompts, batch * pages_for_tokens(context + 2, page)))
+
+    def prefill_points(self) -> list[int]:
+        return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
+
+    def multi_prefill_points(self) -> list[tuple[int, int]]:
+        return [point for point in self.plan.multi_prefills if self._prefill_fits(*point)]
+
+    def decode_points(self) -> list[tuple[int, int]]:
+        return [(b, c) for b in self.plan.decode_batches for c in self.plan.decode_contexts if self._decode_fits(b, c)]
+
+    def mixed_points(self) -> list[tuple[int, ...]]:
+        return [point for point in self.plan.mixed if self._mixed_fits(*point)]
+
+    @staticmethod
+    def point_of(sample: dict[str, Any]) -> tuple[int, ...]:
+        """A recorded sample's sweep point: (tokens[, prompts]), (batch, context) or
+        (batch, context, prefill tokens[, prompts]); the prompts only where there are several."""
+        batch = sample["batch"]
+        if sample["kind"] == "decode":
+            return batch["num_decodes"], batch["decode_context_tokens"] // batch["num_decodes"]
+        prompts = (batch["num_prefills"],) if batch["num_prefills"] > 1 else ()
+        if sample["kind"] == "prefill":
+            return batch["prefill_tokens"], *prompts
+        context = batch["decode_context_tokens"] // batch["num_decodes"]
+        return batch["num_decodes"], context, batch["prefill_tokens"], *prompts
+
+    def can_remeasure(self, sample: dict[str, Any]) -> bool:
+        """Whether this engine (its pool, its limits) can run a step like a profile's `sample`."""
+        fits = {"prefill": self._prefill_fits, "decode": self._decode_fits, "mixed": self._mixed_fits}
+        return fits[sample["kind"]](*self.point_of(sample))
+
+    def remeasure(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The same sweep point again, now: how fast this machine runs today what it was profiled on."""
+        measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed}
+        return measure[sample["kind"]](*self.point_of(sample), warmup=self.plan.warmup, repeats=self.plan.repeats)
+
+    def _time_from_scratch(self, kind: str, set_up: Callable[[], None], warmup: int, repeats: int) -> dict[str, Any]:
+        """Each repetition sets its batch up anew, times one step of it and clears the engine."""
+        times, output = [], None
+        for index in range(warmup + repeats):
+            set_up()
+            elapsed, output = self._timed_step()
+            if index >= warmup:
+                times.append(elapsed)
+            self._clear()
+        return self._record(kind, times, output)
+
+    def _add_prefills(self, tokens: int, prompts: int) -> None:
+        for count in split_prompts(tokens, prompts):
+            self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True))
+
+    def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)
+
+    def profile_decode(self, batch: int, context: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        self._seed_decodes(batch, context, warmup + repeats + 1)
+        times, output = [], None
+        for index in range(warmup + repeats):
+            elapsed, step_output = self._timed_step()
+            if index >= warmup:
+                times.append(elapsed)
+                output = output or step_output
+        self._clear()
+        return self._record("decode", times, output)
+
+    def profile_mixed(self, batch: int, context: int, prefill: int, prompts: int = 1, warmup: int = 1,
+                      repeats: int = 1) -> dict[str, Any]:
+        def set_up() -> None:
+            self._seed_decodes(batch, context, 2)
+            self._add_prefills(prefill, prompts)
+        return self._time_from_scratch("mixed", set_up, warmup, repeats)
+
+    def _linear_layers(self) -> list[torch.nn.Module]:
+        kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
+        return [module for module in self.llm.model.layers.modules() if isinstance(module, kinds)]
+
+    def linear_runs(self, max_rows: int, max_head_rows: int) -> LinearRuns:
+        """Runs of all the decoder's linear layers, and of the output head, at each row count up to the
+        largest a profiled step has. A matmul's time is not smooth in its rows: BLAS changes kernels with the
+        row count (on a 2-core VM one thread ran SmolLM2's layers at 8 rows in 0.73x the time of 16, at 14
+        rows in 1.3x), which no formula of bytes and FLOPs says; the step model reads these instead. Each
+        layer's output is dropped before the next runs, as a forward pass frees it."""
+        layers = self._linear_layers()
+        dtype = next(self.llm.model.parameters()).dtype
+        hidden = self.llm.model_config.hidden_size
+
+        def decoder(count: int) -> Callable[[], None]:
+            inputs = {width: torch.randn(count, width, dtype=dtype, device=self.llm.device)
+                      for width in {layer.in_features for layer in layers}}
+
+            def run() -> None:
+                for layer in layers:
+                    layer(inputs[layer.in_features])
+            return run
+
+        def head(count: int) -> Callable[[], None]:
+            states = torch.randn(count, hidden, dtype=dtype, device=self.llm.device)
+            return lambda: self.llm.model.local_logits(states)     # a rank's share: the gather is communication
+
+        rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
+        return LinearRuns(rows, head_rows, [decoder(r) for r in rows] + [head(r) for r in head_rows])
+
+    def _time_run(self, run: Callable[[], Any], warmup: int) -> float:
+        with torch.inference_mode():
+            for _ in range(warmup):
+                run()
+            return self._seconds(run)
+
+    def planned_rows(self) -> tuple[int, int]:
+        """The most new tokens, and the most sequences, of any step the sweep will time."""
+        shapes = ([(n, 1) for n in self.prefill_points()] + list(self.multi_prefill_points())
+                  + [(b, b) for b, _ in self.decode_points()]
+                  + [(p[0] + p[2], p[0] + (p[3] if len(p) == 4 else 1)) for p in self.mixed_points()])
+        return max(rows for rows, _ in shapes), max(seqs for _, seqs in shapes)
+
+    def measure_activation_peak(self, tokens: int) -> int | None:
+        """Bytes above weights and KV pool while the largest prefill runs (CUDA allocator or the RSS high-water mark)."""
+        self._add_prefills(tokens, 1)
+        if self.llm.device.type == "cuda":
+            torch.cuda.synchronize(self.llm.device)
+            before = torch.cuda.memory_allocated(self.llm.device)
+            torch.cuda.reset_peak_memory_stats(self.llm.device)
+            self.llm.step()
+            peak = torch.cuda.max_memory_allocated(self.llm.device) - before
+        else:
+            peak = _cpu_peak_during(self.llm.step)
+        self._clear()
+        return peak
+
+    def run(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Every point timed in each of `repeats` passes (the first after `warmup` untimed steps of each; once
+        in the first pass, then as often as `SECONDS_PER_POINT_PER_PASS` allows): a slow minute of a shared
+        machine, which comes and goes (a neighbour slowed identical steps 2x for a minute on this VM), then
+        costs each point one pass of its timings, not all of some points' timings."""
+        Job = Callable[[int, int], dict[str, Any]]
+        jobs: list[tuple[str, Job]] = []
+        jobs += [(f"prefill {n} tokens", lambda w, r, n=n: self.profile_prefill(n, 1, w, r))
+                 for n in self.prefill_points()]
+        jobs += [(f"prefill {n} tokens in {k} prompts", lambda w, r, n=n, k=k: self.profile_prefill(n, k, w, r))
+                 for n, k in self.multi_prefill_points()]
+        # decodes warm up every pass: it costs one short step, and each pass then times the same contexts
+        jobs += [(f"decode batch {b} x context {c}", lambda w, r, b=b, c=c: self.profile_decode(b, c, self.plan.warmup, r))
+                 for b, c in self.decode_points()]
+        jobs += [(f"mixed {point[0]} decodes at {point[1]} + prefill {point[2]}"
+                  + (f" in {point[3]} prompts" if len(point) == 4 else ""),
+                  lambda w, r, point=point: self.profile_mixed(*point, warmup=w, repeats=r))
+                 for point in self.mixed_points()]
+        if not jobs:
+            raise ConfigError("no profiling point fits this engine's KV pool and context")
+        # A MoE model's linears are not timed apart (which experts run depends on the tokens' routing). The
+        # others' are timed within the passes, spread between the steps: timed after the sweep, a slow minute
+        # of the machine then fell on the table alone (1.9-3.4 s at 1024 rows in ten profiles of one engine,
+        # whose whole prefill of 1024 tokens took 2.5-3.3 s) and the fit had to bend every term to it.
+        linears = None if routed_experts(self.llm.model) else self.linear_runs(*self.planned_rows())
+        runs = linears.runs if linears else []
+        runs_after = [[run for run in range(len(runs)) if run * len(jobs) // len(runs) == index]
+                      for index in range(len(jobs))]
+        run_times: list[list[float]] = [[] for _ in runs]
+        timings_per_pass = [1] * len(jobs)
+        bar = _progress_bar(len(jobs) * self.plan.repeats)
+        passes: list[list[dict[str, Any]]] = []
+        for number in range(self.plan.repeats):
+            passes.append([])
+            warmup = self.plan.warmup if number == 0 else 0
+            for index, ((label, job), after) in enumerate(zip(jobs, runs_after)):
+                passes[-1].append(job(warmup, timings_per_pass[index]))
+                if number == 0:
+                    timings_per_pass[index] = max(1, min(MAX_TIMINGS_PER_PASS, int(
+                        SECONDS_PER_POINT_PER_PASS / max(passes[-1][-1]["median_s"], 1e-9))))
+                for run in after:
+                    run_times[run].append(self._time_run(runs[run], warmup))
+                bar.set_description(f"pass {number + 1}/{self.plan.repeats}: {label}")
+                bar.update()
+                if progress is not None:
+                    progress(label)
+        self.samples = [_merged(self._sample(timed[0]["kind"], timed[0]["batch"],
+                                             [t for s in timed for t in s["times_s"]]), timed)
+                        for timed in zip(*passes)]
+        if self.llm.workers is not None:
+            self.collectives = self.llm.workers.time_collectives(COLLECTIVE_SIZES, COLLECTIVE_REPEATS, self.llm.device)
+        for (label, _), sample in zip(jobs, self.samples):
+            bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
+                      file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout
+        bar.close()
+        self.linears = linears.table([round(statistics.median(times), 7) for times in run_times]) if linears else None
+        points = self.prefill_points()
+        self.activation_peak_bytes = self.measure_activation_peak(max(points)) if points else None
+        return self.document()
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "fingerprint": fingerprint(self.llm),
+            "model": self.model,
+            "memory": {"weight_bytes": self.model["weight_bytes"],
+                       "kv_bytes_per_token": self.model["kv_bytes_per_token"],
+                       "kv_capacity_tokens": self.llm.capacity_tokens,
+                       "activation_peak_bytes": self.activation_peak_bytes},
+            "plan": {"warmup": self.plan.warmup, "repeats": self.plan.repeats,
+                     "max_kv_tokens": self.plan.max_kv_tokens},
+            "linears": self.linears,
+            "samples": self.samples,
+            **({"collectives": self.collectives} if self.collectives else {}),
+        }
+
+
+def _merged(sample: dict[str, Any], passes: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """A point's sample over all passes, with the median of its passes' time in collectives where timed."""
+    if "collective_s" in passes[0]:
+        sample["collective_s"] = statistics.median(p["collective_s"] for p in passes)
+        sample["collective_bytes"] = passes[0]["collective_bytes"]
+    return sample
+
+
+@dataclass(frozen=True)
+class LinearRuns:
+    """The decoder's linears at each of `rows`, then the head at each of `head_rows`, as runs to time."""
+
+    rows: list[int]
+    head_rows: list[int]
+    runs: list[Callable[[], None]]
+
+    def table(self, seconds: list[float]) -> dict[str, list]:
+        """The profile's `linears` section from each run's time, in the runs' order."""
+        return {"rows": self.rows, "decoder_s": seconds[:len(self.rows)], "head_rows": self.head_rows,
+                "head_s": seconds[len(self.rows):]}
+
+
+def _rows_up_to(count: int) -> list[int]:
+    """The grid's row counts up to the first at or past `count` (all of them past the grid's end)."""
+    return [r for r in LINEAR_ROWS if r < count] + [r for r in LINEAR_ROWS if r >= count][:1]
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr, unit="point", dynamic_ncols=True, disable=None)
+
+
+def _cpu_peak_during(run: Callable[[], Any]) -> int | None:
+    """Peak RSS growth while `run` runs; Linux resets the high-water mark through /proc/self/clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        before = _proc_status_kib("VmRSS")
+        run()
+        return max(0, (_proc_status_kib("VmHWM") - before) * 1024)
+    except OSError:
+        run()
+        return None
+
+
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field_name} not in /proc/self/status")
+

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`engine serve`): app, protocol, text streaming, Prometheus metrics."""

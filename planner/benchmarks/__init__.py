@@ -1,0 +1,1 @@
+"""Serving benchmark results (vLLM, SGLang, guidellm, CSV): read, replayed and fitted."""

@@ -1,0 +1,1 @@
+"""Step parameters from engine profiles: fits, and which calibration a deployment gets."""

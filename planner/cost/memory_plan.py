@@ -1,0 +1,227 @@
+"""Per-GPU memory of a deployment, exactly: weights by component and dtype, the KV pool, the reserves.
+
+Every byte count comes from `engine.core.memory`, the arithmetic the engine itself allocates by.
+
+    GPU memory (as the device reports it)
+    └─ usable = memory × utilization (default 0.9)
+       ├─ weights        per component in its format, divided as parallelism divides it
+       ├─ activations    the largest step's working set (max_num_batched_tokens) and the logits
+       ├─ runtime        CUDA context, communication buffers, graphs: a fixed reserve
+       └─ KV pool        the rest, in whole pages: capacity in tokens
+
+Parallelism: tensor parallelism (TP) splits attention, dense layers, shared experts and the vocabulary
+over the TP group; grouped-query K/V heads split over at most their number of heads (beyond it, each GPU
+holds one head, replicated); the MLA latent is replicated on every TP rank (it has no heads to split)
+unless attention is data-parallel, where each GPU holds all attention weights and the cache of its own
+requests only. Routed experts split over the TP group, or with expert parallelism over all GPUs.
+Data parallelism (gpus / TP replicas) replicates the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.errors import ConfigError
+from engine.core.memory import (
+    GIB,
+    WeightFormat,
+    ceil_div,
+    component_weight_bytes,
+    kv_bytes_per_token,
+    kv_layout,
+    weight_bytes,
+)
+from engine.core.memory import weight_scheme as engine_weight_scheme
+from engine.core.spec import Linear, ModelSpec
+from planner.catalog.hardware import HardwareSpec
+from planner.errors import PlannerError
+
+WEIGHT_SCHEMES = ("bf16", "fp8", "int4", "nvfp4", "native")
+KV_DTYPES = ("bf16", "fp8", "nvfp4")
+FLOAT_DTYPE = "bf16"                  # embeddings, norms, routers and every unquantized layer
+RUNTIME_RESERVE_BYTES = 1 * GIB       # CUDA context, NCCL buffers, CUDA graphs, allocator slack
+WORKSPACE_BYTES = 256 << 20           # GEMM and attention kernel workspaces
+ACTIVATION_WIDTHS = 8                 # hidden-sized buffers alive at once per token (residual, norms, attention)
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_BATCHED_TOKENS = 8192
+DEFAULT_MAX_SEQS = 256
+DEFAULT_CONTEXT = 8192
+
+
+def weight_scheme(model: ModelSpec, weights: str, group_size: int = 128) -> dict[str, WeightFormat]:
+    """The format of each decoder component's linear layers (`engine.core.memory.weight_scheme`, bf16 scales).
+    The output head and embeddings stay bf16."""
+    if weights not in WEIGHT_SCHEMES:
+        raise PlannerError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_SCHEMES)})")
+    try:
+        return engine_weight_scheme(model, weights, group_size, scale_dtype=FLOAT_DTYPE)
+    except ConfigError as error:
+        raise PlannerError(str(error)) from None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    gpus: int
+    tensor_parallel: int | None = None        # default: all GPUs in one TP group
+    expert_parallel: bool = False
+    attention_data_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus, int) or self.gpus <= 0:
+            raise PlannerError(f"the number of GPUs must be a positive integer, got {self.gpus!r}")
+        tp = self.tp
+        if not isinstance(tp, int) or tp <= 0 or self.gpus % tp:
+            raise PlannerError(f"tensor parallelism {tp!r} must divide the {self.gpus} GPUs")
+
+    @property
+    def tp(self) -> int:
+        return self.gpus if self.tensor_parallel is None else self.tensor_parallel
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def attention_tp(self) -> int:
+        return 1 if self.attention_data_parallel else self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Independent KV pools: TP groups, or every GPU when attention is data-parallel."""
+        return self.gpus if self.attention_data_parallel else self.dp
+
+
+def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
+                            parallel: Parallelism) -> dict[str, int]:
+    """Weight bytes each GPU holds, by component."""
+    def split(component: str, linear: Linear | None) -> tuple[int, bool]:
+        if linear is None:
+            return (parallel.tp if component == "embeddings" else 1), False
+        if component == "routed_experts":
+            return (parallel.gpus, True) if parallel.expert_parallel else (parallel.tp, False)
+        tp = parallel.attention_tp if component == "attention" else parallel.tp
+        if linear.shard == "replicated":
+            return 1, False
+        if linear.shard == "kv_heads":
+            return min(tp, model.attention.num_kv_heads), False
+        return tp, False
+
+    try:
+        return component_weight_bytes(model, scheme, FLOAT_DTYPE, split)
+    except ConfigError as error:
+        raise PlannerError(f"{model.name}: {error}") from None
+
+
+def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism) -> int:
+    """What one cached token costs each GPU that holds it."""
+    if kv_dtype not in KV_DTYPES:
+        raise PlannerError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
+    return kv_bytes_per_token(kv_layout(model, kv_dtype, parallel.attention_tp))
+
+
+def kv_bytes_per_token_total(model: ModelSpec, kv_dtype: str) -> int:
+    """One token's cache on one GPU holding everything (no parallelism)."""
+    return kv_bytes_per_token_per_gpu(model, kv_dtype, Parallelism(1))
+
+
+def activation_bytes_per_gpu(model: ModelSpec, parallel: Parallelism, max_batched_tokens: int,
+                             max_seqs: int) -> int:
+    """The largest step's working set: hidden-sized buffers, the widest FFN slice, fp32 logits of the samples."""
+    ffn = model.ffn
+    widest = max(ffn.dense_intermediate, ffn.shared_intermediate, ffn.experts_per_token * ffn.expert_intermediate)
+    per_token = ACTIVATION_WIDTHS * model.hidden_size + 2 * ceil_div(widest, parallel.tp)
+    logits = max_seqs * ceil_div(model.vocab_size, parallel.tp) * 4
+    return weight_bytes(max_batched_tokens * per_token, FLOAT_DTYPE) + logits + WORKSPACE_BYTES
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    hardware: str
+    parallel: Parallelism
+    weights: str
+    kv_dtype: str
+    page_size: int
+    memory_bytes_per_gpu: int
+    usable_bytes_per_gpu: int
+    weights_by_component: dict[str, int]
+    activation_bytes_per_gpu: int
+    runtime_bytes_per_gpu: int
+    kv_pool_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_pages_per_replica: int
+    max_position_embeddings: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weights_bytes_per_gpu(self) -> int:
+        return sum(self.weights_by_component.values())
+
+    @property
+    def replica_capacity_tokens(self) -> int:
+        return self.kv_pages_per_replica * self.page_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the whole deployment can keep cached at once."""
+        return self.parallel.replicas * self.replica_capacity_tokens
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(self.replica_capacity_tokens, self.max_position_embeddings)
+
+    @property
+    def max_context_reason(self) -> str:
+        if self.replica_capacity_tokens >= self.max_position_embeddings:
+            return f"the model's position limit ({self.max_position_embeddings} tokens)"
+        return f"the KV pool of one replica ({self.replica_capacity_tokens} tokens)"
+
+    def max_concurrency(self, context_tokens: int) -> int:
+        """Requests of `context_tokens` each that the KV pools hold at once (whole pages per request)."""
+        if not isinstance(context_tokens, int) or context_tokens <= 0:
+            raise PlannerError(f"the context must be a positive number of tokens, got {context_tokens!r}")
+        if context_tokens > self.max_position_embeddings:
+            raise PlannerError(f"a context of {context_tokens} tokens is above {self.model}'s limit of "
+                               f"{self.max_position_embeddings}")
+        per_request = ceil_div(context_tokens, self.page_size)
+        return self.parallel.replicas * (self.kv_pages_per_replica // per_request)
+
+    def breakdown(self) -> dict[str, int]:
+        """Where each GPU's memory goes; `headroom` is what the utilization fraction leaves unused
+        (plus the part of a page that does not fit)."""
+        parts = {"weights": self.weights_bytes_per_gpu, "kv_cache": self.kv_pool_bytes_per_gpu,
+                 "activations": self.activation_bytes_per_gpu, "runtime": self.runtime_bytes_per_gpu}
+        return parts | {"headroom": self.memory_bytes_per_gpu - sum(parts.values())}
+
+
+def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, weights: str, kv_dtype: str,
+                group_size: int = 128, utilization: float = 0.9, page_size: int = DEFAULT_PAGE_SIZE,
+                max_batched_tokens: int = DEFAULT_BATCHED_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS,
+                max_model_len: int | None = None) -> MemoryPlan:
+    if not 0 < utilization <= 1:
+        raise PlannerError(f"memory utilization must be in (0, 1], got {utilization!r}")
+    if not isinstance(page_size, int) or page_size <= 0:
+        raise PlannerError(f"the page size must be a positive number of tokens, got {page_size!r}")
+    limit = model.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len <= 0 or max_model_len > limit:
+            raise PlannerError(f"max model length {max_model_len} must be in 1..{limit} for {model.name}")
+        limit = max_model_len
+    for what, dtype in (("weights", weights), ("KV cache", kv_dtype)):
+        if dtype == "nvfp4" and not hardware.supports_nvfp4:
+            raise PlannerError(f"NVFP4 {what} need Blackwell's FP4 tensor cores; {hardware.key} has none "
+                               f"(b200 has)")
+    scheme = weight_scheme(model, weights, group_size)
+    by_component = component_bytes_per_gpu(model, scheme, parallel)
+    usable = int(hardware.memory_bytes * utilization)
+    activations = activation_bytes_per_gpu(model, parallel, max_batched_tokens, max_seqs)
+    runtime = RUNTIME_RESERVE_BYTES
+    pool = usable - sum(by_component.values()) - activations - runtime
+    per_token = kv_bytes_per_token_per_gpu(model, kv_dtype, parallel)
+    notes = []
+    if pool <= 0:
+        notes.append(f"the weights ({sum(by_component.values()) / GIB:.1f} GiB per GPU) and reserves do not fit "
+                     f"in {usable / GIB:.1f} GiB usable per GPU: no room for a KV cache")
+        pool = 0
+    pages = pool // (per_token * page_size)
+    return MemoryPlan(model.name, hardware.key, parallel, weights, kv_dtype, page_size, hardware.memory_bytes,
+                      usable, by_component, activations, runtime, pool, per_token, pages, limit, notes)

@@ -1,0 +1,1 @@
+"""A deployment evaluated: capacity, throughput, cost and its simulation."""

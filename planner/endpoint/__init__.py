@@ -1,0 +1,1 @@
+"""A live OpenAI-compatible endpoint: probed, calibrated and verified against the simulator."""

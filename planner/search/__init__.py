@@ -1,0 +1,1 @@
+"""Deployment search over GPUs, parallelism and dtypes, and the executors that run its simulations."""

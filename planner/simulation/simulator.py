@@ -1,0 +1,384 @@
+"""Discrete-event simulation of serving: SimPy processes around the engine's own scheduler.
+
+    arrivals ──► router ──► replica 0: Scheduler + BlockManager ──► step ──► step ──► ...
+                        └─► replica 1: ...
+
+Each replica process does what `engine.llm.LLM.step` does, with a simulated clock: `schedule()` forms the
+batch (the same `engine.core.scheduler.Scheduler` and `engine.core.block_manager.BlockManager` the engine runs,
+preemptions included), the step lasts what the step-time model says for exactly that batch, then
+`update()` takes the sampled tokens. Requests are sequences whose output length is enforced
+(`ignore_eos`, `max_tokens`), so only lengths matter, never token values.
+
+Metrics follow `engine.core.metrics`: a token exists at the end of the step that sampled it.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import simpy
+
+from engine.core.block_manager import BlockManager
+from engine.core.config import SchedulerConfig
+from engine.core.metrics import RequestTiming, summarize
+from engine.core.profile_format import batch_shape
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sequence import SamplingParams, Sequence
+from planner.cost.step_model import BatchShape
+from planner.errors import PlannerError
+from planner.simulation.workload import RequestSpec, Workload
+
+ROUTERS = ("round-robin", "least-loaded")
+MIN_WINDOW = 4              # decode steps worth fast-forwarding (fewer: the usual path is as quick)
+
+StepTime = Callable[[SchedulerOutput], float]
+
+
+class ModelStepTime:
+    """A step-time function of the scheduler's batch, from one of a `BatchShape` (of a model whose sparse
+    attention reads `index_topk` tokens per query; 0: dense). It also prices a step of decodes given by its sums,
+    as the simulator's fast-forward needs: the same shape `batch_shape` makes of such a step, so the same time."""
+
+    def __init__(self, step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> None:
+        self.step_seconds = step_seconds
+        self.index_topk = index_topk
+
+    def __call__(self, output: SchedulerOutput) -> float:
+        return self.step_seconds(BatchShape(**batch_shape(output, self.index_topk)))
+
+    def decodes(self, count: int, context_tokens: int, max_context: int, selected_tokens: int) -> float:
+        sparse = {"decode_selected_tokens": selected_tokens, "prefill_selected_pairs": 0} if self.index_topk else {}
+        return self.step_seconds(BatchShape(count, context_tokens, max_context, **sparse))
+
+    def for_replica(self, index: int, clock: Callable[[], float]) -> ModelStepTime:
+        """What replica `index` calls (at simulated time `clock()`): this one for all; a recorder keeps one each."""
+        return self
+
+
+def model_step_time(step_seconds: Callable[[BatchShape], float], index_topk: int = 0) -> ModelStepTime:
+    return ModelStepTime(step_seconds, index_topk)
+
+
+def replayed_step_time(durations: list[float]) -> StepTime:
+    """Measured step durations, in order: the simulator then keeps the engine's own clock."""
+    remaining: Iterator[float] = iter(durations)
+
+    def seconds(_output: SchedulerOutput) -> float:
+        try:
+            return next(remaining)
+        except StopIteration:
+            raise PlannerError(f"the simulation ran more steps than the {len(durations)} replayed") from None
+    return seconds
+
+
+@dataclass
+class StepRecord:
+    replica: int
+    start_s: float
+    duration_s: float
+    batch: list[tuple[int, int, int]]       # (request id, start token, new tokens) in schedule order
+    pages_in_use: int
+    running: int
+
+
+@dataclass
+class SimulationResult:
+    timings: list[RequestTiming]
+    steps: list[StepRecord]             # empty unless steps were recorded
+    num_steps: int
+    peak_running: int                   # the most requests running at once on one replica
+    kv_utilization_peak: float          # the fullest any replica's pool got
+    replicas: int
+    wall_s: float
+    preemptions: int
+    abandoned: bool = False             # stopped early by its `give_up` hook: the report covers what finished
+
+    def report(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
+        out = summarize(self.timings, slo_ttft_s, slo_tpot_s)
+        out.update({
+            "max_concurrency_reached": self.peak_running,
+            "preemptions": self.preemptions,
+            "kv_utilization_peak": self.kv_utilization_peak,
+            "steps": self.num_steps,
+            "sim_wall_s": self.wall_s,
+        })
+        return out
+
+
+class Replica:
+    """One engine: its scheduler and allocator, and the process that steps them."""
+
+    def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
+                 sim: Simulation, fast_forward: bool = False) -> None:
+        self.env = env
+        self.index = index
+        self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size))
+        self.sim = sim
+        self.fast_forward = fast_forward and isinstance(step_time, ModelStepTime)
+        self.step_time = (step_time.for_replica(index, lambda: env.now) if isinstance(step_time, ModelStepTime)
+                          else step_time)
+        self.steps = 0                  # steps this replica ran
+        self._no_window_until = 0       # the step before which no decode window can be long enough
+        self.wakeup = env.event()
+        self.unfinished = 0
+        env.process(self.run())
+
+    def submit(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.unfinished += 1
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def run(self):
+        """Steps while there is work; sleeps until a request arrives when there is none."""
+        scheduler, env, sim = self.scheduler, self.env, self.sim
+        timings = sim.timings
+        while True:
+            if not scheduler.has_unfinished():
+                yield self.wakeup
+                self.wakeup = env.event()
+                continue
+            if self.fast_forward and (yield from self.decode_window()):
+                continue
+            output = scheduler.schedule()
+            if output.is_empty:
+                raise PlannerError("the scheduler formed an empty batch with requests waiting: a request "
+                                   "larger than the KV pool")
+            start = env.now
+            duration = self.step_time(output)
+            self.steps += 1
+            yield env.timeout(duration)
+            sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
+                          len(scheduler.running))
+            now = env.now
+            # a decode samples its request's first token only when the prompt's last chunk left one token
+            first_tokens = [seq for seq in output.decodes if not seq.output_token_ids]
+            for seq in first_tokens + [item.seq for item in output.chunks if item.samples]:
+                timing = timings[seq.seq_id]
+                if timing.first_token_s is None:
+                    timing.first_token_s = now
+                    sim.observe(timing)
+            for seq in scheduler.update(output, None):
+                timing = timings[seq.seq_id]
+                if timing.finish_s is not None:
+                    raise PlannerError(f"request {seq.seq_id} finished twice")
+                timing.finish_s = now
+                timing.output_tokens = len(seq.output_token_ids)
+                timing.preemptions = seq.num_preemptions
+                self.unfinished -= 1
+                sim.observe(timing)
+                sim.finished(seq.seq_id)
+
+    def decode_window(self):
+        """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
+        none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
+        (an arrival ends the window after the step it came in). Each step is priced from the shape the scheduler
+        would have given it and timed by its own SimPy timeout, so the clock is the step-by-step one; only the
+        per-sequence bookkeeping is done once for the whole window. Returns the steps taken (0: none could)."""
+        scheduler = self.scheduler
+        manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
+        count = len(running)
+        if (self.steps < self._no_window_until or not count
+                or scheduler.admissible(config.max_num_batched_tokens - count) is not None
+                or running[-1].num_uncomputed_tokens != 1       # the newest, the likeliest to be in prefill
+                or not all(seq.output_token_ids for seq in running)     # one prompt token left is no decode yet
+                or scheduler.decode_prefix(config.max_num_batched_tokens) < count):     # all decode, in budget
+            return 0
+        # the step a sequence finishes in runs the usual way, and none is long enough until that one has finished
+        window = min(min(seq.params.max_tokens - len(seq.output_token_ids) for seq in running),
+                     config.max_model_len - max(seq.num_tokens for seq in running)) - 1
+        if window < MIN_WINDOW:
+            self._no_window_until = self.steps + window + 1
+            return 0
+        ids = [seq.seq_id for seq in running]
+        free = manager.num_free_pages
+        if manager.pages_for_more(ids, window) > free:
+            low, high = 0, window                           # the longest window the free pages take
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if manager.pages_for_more(ids, middle) <= free else (low, middle)
+            window = low
+        if window < MIN_WINDOW:
+            return 0
+        contexts = sorted(seq.num_computed_tokens for seq in running)   # a decode's context in step j: c + j
+        prefix = list(itertools.accumulate(contexts, initial=0))
+        total, longest, topk = prefix[-1], contexts[-1], self.step_time.index_topk
+        env, sim, waiting, used = self.env, self.sim, len(scheduler.waiting), manager.num_used_pages
+        steps = 0
+        while steps < window:
+            steps += 1
+            below = bisect.bisect_left(contexts, topk - steps) if topk else 0    # contexts still under index_topk
+            selected = prefix[below] + steps * below + topk * (count - below)
+            duration = self.step_time.decodes(count, total + count * steps, longest + steps, selected)
+            start = env.now
+            self.steps += 1
+            yield env.timeout(duration)
+            sim.note_step(self.index, start, duration, None, used, count)
+            if len(scheduler.waiting) != waiting:
+                break
+        manager.append_many(ids, steps)
+        for seq in running:                 # as `steps` decode steps that sampled token 0 leave them
+            seq.output_token_ids.extend([0] * steps)
+            seq.num_tokens += steps
+            seq.num_computed_tokens += steps
+        sim.note_pages(manager.num_used_pages)
+        return steps
+
+
+class Simulation:
+    """Requests of a workload through `replicas` engines behind a router."""
+
+    def __init__(self, config: SchedulerConfig, step_time: StepTime, replicas: int = 1,
+                 router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
+                 give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True,
+                 request_overhead_s: float = 0.0) -> None:
+        """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
+        says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
+        stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form).
+        `request_overhead_s`: each request reaches the scheduler that long after it arrives (the API server's time,
+        `StepParameters.request_overhead_s`); its TTFT and end-to-end latency include it."""
+        if router not in ROUTERS:
+            raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
+        if not isinstance(replicas, int) or replicas <= 0:
+            raise PlannerError(f"the number of replicas must be a positive integer, got {replicas!r}")
+        if not (math.isfinite(request_overhead_s) and request_overhead_s >= 0):
+            raise PlannerError(f"the request overhead must be >= 0 seconds, got {request_overhead_s!r}")
+        self.config = config
+        self.request_overhead_s = request_overhead_s
+        self.env = simpy.Environment()
+        self.timings: dict[int, RequestTiming] = {}
+        self.steps: list[StepRecord] = []
+        self.record_steps = record_steps
+        self.peak_pages = 0
+        self.peak_running = 0
+        self.step_count = 0
+        self.router = router
+        self._round_robin = itertools.cycle(range(replicas))
+        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps)
+                         for i in range(replicas)]
+        self._closed_loop: Callable[[int], None] | None = None
+        self._bar = _progress_bar() if progress else None
+        self._give_up = give_up
+        self._done = self.env.event()       # every request finished, or given up on
+        self._expected = 0
+        self._finished = 0
+        self.abandoned = False
+
+    def observe(self, timing: RequestTiming) -> None:
+        if self._give_up is not None and not self.abandoned and self._give_up(timing):
+            self.abandoned = True
+            self._done.succeed()
+
+    def note_step(self, replica: int, start: float, duration: float, output: SchedulerOutput, pages: int,
+                  running: int) -> None:
+        self.step_count += 1
+        if pages > self.peak_pages:
+            self.peak_pages = pages
+        if running > self.peak_running:
+            self.peak_running = running
+        if self.record_steps:
+            self.steps.append(StepRecord(replica, start, duration, [(item.seq.seq_id, item.start, item.num_new_tokens)
+                                                                     for item in output.scheduled], pages, running))
+
+    def note_pages(self, pages: int) -> None:
+        self.peak_pages = max(self.peak_pages, pages)
+
+    def finished(self, seq_id: int) -> None:
+        if self._bar is not None:
+            self._bar.update()
+        self._finished += 1
+        if self._finished == self._expected and not self._done.triggered:
+            self._done.succeed()
+        if self._closed_loop is not None:
+            self._closed_loop(seq_id)
+
+    def _route(self) -> Replica:
+        if self.router == "round-robin":
+            return self.replicas[next(self._round_robin)]
+        return min(self.replicas, key=lambda replica: replica.unfinished)
+
+    def submit(self, request: RequestSpec) -> None:
+        total = request.prompt_tokens + request.output_tokens
+        if total > self.config.max_model_len or total > self.config.capacity_tokens:
+            raise PlannerError(f"request {request.request_id}: {request.prompt_tokens} + {request.output_tokens} "
+                               f"tokens exceed the context ({self.config.max_model_len}) or the KV pool "
+                               f"({self.config.capacity_tokens})")
+        seq = Sequence([0] * request.prompt_tokens, SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                       seq_id=request.request_id)
+        self.timings[request.request_id] = RequestTiming(request.request_id, self.env.now, request.prompt_tokens)
+        if self.request_overhead_s:
+            self.env.process(self._admit_later(seq))
+        else:
+            self._route().submit(seq)
+
+    def _admit_later(self, seq: Sequence):
+        """Hands a request to a replica once the API server has taken its time over it."""
+        yield self.env.timeout(self.request_overhead_s)
+        self._route().submit(seq)
+
+    def _open_arrivals(self, requests: list[RequestSpec]):
+        """Sends each request at its arrival time."""
+        for request in requests:
+            delay = request.arrival_s - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            self.submit(request)
+
+    def run(self, workload: Workload | list[RequestSpec], users: int | None = None,
+            think_time_s: float = 0.0) -> SimulationResult:
+        """Simulates until every request has finished."""
+        if isinstance(workload, Workload):
+            users, think_time_s = workload.users, workload.think_time_s
+            closed = workload.arrival == "closed"
+            requests = workload.requests()
+        else:
+            requests, closed = workload, users is not None
+        if self._bar is not None:
+            self._bar.reset(total=len(requests))
+        self._expected = len(requests)
+        start = time.perf_counter()
+        if closed:
+            pending = iter(requests)
+
+            def send_next(_finished: int | None = None) -> None:
+                request = next(pending, None)
+                if request is None:
+                    return
+                if think_time_s and _finished is not None:
+                    self.env.process(self._after(think_time_s, request))
+                else:
+                    self.submit(request)
+
+            self._closed_loop = send_next
+            for _ in range(min(users, len(requests))):
+                send_next()
+        else:
+            self.env.process(self._open_arrivals(requests))
+        self._done.callbacks.append(simpy.core.StopSimulation.callback)     # ends run() when it triggers
+        self.env.run()
+        if self._bar is not None:
+            self._bar.close()
+        unfinished = [r.request_id for r in requests if self.timings.get(r.request_id) is None
+                      or self.timings[r.request_id].finish_s is None]
+        if unfinished and not self.abandoned:
+            raise PlannerError(f"{len(unfinished)} requests never finished (first: {unfinished[0]})")
+        return SimulationResult(list(self.timings.values()), self.steps, self.step_count, self.peak_running,
+                                self.peak_pages / self.config.num_pages, len(self.replicas),
+                                time.perf_counter() - start, sum(r.scheduler.num_preemptions for r in self.replicas),
+                                self.abandoned)
+
+    def _after(self, delay: float, request: RequestSpec):
+        """Submits a closed-loop user's next request after its think time."""
+        yield self.env.timeout(delay)
+        self.submit(request)
+
+
+def _progress_bar():
+    from tqdm import tqdm
+
+    return tqdm(total=0, file=sys.stderr, unit="req", dynamic_ncols=True, disable=None)

@@ -1,0 +1,1 @@
+"""The Streamlit dashboard and its plotly figures."""

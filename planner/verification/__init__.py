@@ -1,0 +1,1 @@
+"""The same workload through the real engine and through the simulator, errors reported."""

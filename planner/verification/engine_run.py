@@ -1,0 +1,57 @@
+"""The real engine as a verification runs it: configured as a profile was made, warmed up, fed prompts of the
+requested lengths cut from real English text."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+
+
+def english_prompts(tokenizer, lengths: list[int], vocab_size: int) -> list[list[int]]:
+    """Prompts of the requested lengths cut one after another from a fixed English text (a model without a
+    tokenizer, random weights: from fixed pseudo-random token ids)."""
+    from pydoc_data.topics import topics
+
+    if tokenizer is None:
+        ids = np.random.default_rng(0).integers(3, vocab_size, max(lengths, default=0) * 4).tolist()
+    else:
+        ids = tokenizer.encode(" ".join(topics[key] for key in sorted(topics)))
+    prompts, cursor = [], 0
+    for length in lengths:
+        if length > len(ids):
+            raise PlannerError(f"a prompt of {length} tokens is longer than the text it is cut from ({len(ids)})")
+        if cursor + length > len(ids):
+            cursor = 0
+        prompts.append(ids[cursor:cursor + length])
+        cursor += length
+    return prompts
+
+
+def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any) -> LLM:
+    """An engine here configured as the profiled one (model, weights, KV dtype, pages, integrity, threads)."""
+    from engine.llm import LLM
+
+    settings = {"model": fingerprint["model_source"], "weights": fingerprint["weights"],
+                "kv_dtype": fingerprint["kv_dtype"], "group_size": fingerprint.get("group_size") or 128,
+                "device": "cpu", "page_size": fingerprint["page_size"], "kv_cache_gib": kv_cache_gib,
+                "integrity": fingerprint.get("integrity", "ownership"), "num_threads": fingerprint.get("threads"),
+                "num_layers": fingerprint.get("num_layers"), "num_experts": fingerprint.get("num_experts"),
+                "tensor_parallel": fingerprint.get("tensor_parallel", 1),
+                "expert_parallel": fingerprint.get("expert_parallel", False)}
+    return LLM(**{**settings, **overrides})
+
+
+def warm_up(llm: LLM, prompt_tokens: int) -> None:
+    """One request of the workload's longest prompt through the engine before the clock starts: a fresh
+    engine's first steps fault their buffers in, which the profile (timed after a warm-up) never saw and
+    a served workload's first prefill, often its only one, would carry."""
+    from engine.core.sequence import SamplingParams
+
+    tokens = min(prompt_tokens, llm.config.max_num_batched_tokens, llm.max_model_len - 2)
+    vocab = llm.model_config.vocab_size
+    llm.generate([[1 + i % (vocab - 1) for i in range(tokens)]], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -1,0 +1,350 @@
+"""Predictions checked against the engine: the same workload through the real engine and the simulator.
+
+The engine runs on this machine with the profile's model and dtypes, requests arriving at the workload's
+times with prompts of the requested lengths cut from real English text and outputs of exactly the
+requested lengths. The simulator runs the same requests through the engine's scheduler with the step
+times of a calibration fitted to the profile. Every metric follows `engine.core.metrics` on both sides.
+
+Two predictions are exact by construction and reported as such: the KV capacity (both sides use
+`engine.core.memory`), and, with the engine's own step durations replayed, the preemption count and the
+sequence of batches. The timing metrics carry the step-time model's error, and the machine's: a shared
+VM runs the same step up to ~30% slower or faster from one minute to the next, and more when something
+else runs beside it. So a second engine of the same configuration times a few of the profile's own steps
+again *between* the served steps (the served timeline is the virtual clock of measured step durations, so
+this costs the workload nothing): both engines see the same machine at the same minutes, and the errors are
+also reported with each predicted step time scaled by the drift measured around that instant (the probes
+nearest to it) for a step of its shape (the probe most like it). What is left is the model's error.
+"""
+from __future__ import annotations
+
+import bisect
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.core.memory import GIB, kv_layout, kv_pages_for_budget
+from engine.core.metrics import summarize
+from engine.core.profile_format import REGIMES, batch_shape, regime_of
+from planner.calibration.profile_fit import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
+from planner.catalog.models import get_model
+from planner.cost.step_model import BatchShape, step_time
+from planner.errors import PlannerError
+from planner.simulation.simulator import Simulation, model_step_time, replayed_step_time
+from planner.simulation.workload import Workload
+from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
+from planner.verification.engine_run import engine_of, english_prompts, warm_up
+from planner.verification.probe_engine import ProbeEngine
+
+if TYPE_CHECKING:
+    from engine.core.scheduler import SchedulerOutput
+    from engine.harness.profiler import Profiler
+    from engine.harness.served_run import ServedStep
+
+PROBE_EVERY_STEPS = 3       # one reference step is timed after every this many served steps
+PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops them up after it)
+SHAPE_MIN_TIMINGS = 6       # a probe's own drift, beside the machine's, needs this many timings: one is +-6%
+
+
+
+
+
+
+def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_size: int) -> int:
+    """The planner's own arithmetic for the engine's pool: the model's KV layout over the budget."""
+    fingerprint = profile["fingerprint"]
+    model = get_model(fingerprint.get("model_source") or fingerprint["model"])
+    spec = model.truncated(fingerprint.get("num_layers"), fingerprint.get("num_experts"))
+    layout = kv_layout(spec, fingerprint["kv_dtype"], fingerprint.get("tensor_parallel", 1))
+    return kv_pages_for_budget(int(kv_cache_gib * GIB), layout, page_size) * page_size
+
+
+
+
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, all) CPU ticks since boot from Linux's /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(field) for field in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7], sum(ticks[:8])) if len(ticks) >= 8 else None
+
+
+def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other guests in between: a shared VM's steps slow down
+    with it, and neither the profile nor the step model can know."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 2)
+
+
+
+
+@dataclass
+class DriftProbes:
+    """A few of the profile's own steps, timed again on a second engine between the served steps (cycling
+    through them, one every `every` steps): the machine's speed now against when it was profiled, seen by
+    the same cores at the same minutes as the served steps."""
+
+    profiler: Profiler | ProbeEngine
+    samples: list[dict[str, Any]]
+    every: int = PROBE_EVERY_STEPS
+    # every timing: (served steps before it, which probe, seconds)
+    timeline: list[tuple[int, int, float]] = field(default_factory=list)
+    steps_done: int = 0
+
+    def __call__(self, steps_done: int) -> None:
+        self.steps_done = steps_done
+        if self.samples and steps_done % self.every == 0:
+            self._time((steps_done // self.every - 1) % len(self.samples))
+
+    def _time(self, index: int) -> None:
+        self.timeline.append((self.steps_done, index, self.profiler.remeasure(self.samples[index])["median_s"]))
+
+    @property
+    def times(self) -> list[list[float]]:
+        """Each probe's timings, in the order they were taken."""
+        return [[seconds for _, probe, seconds in self.timeline if probe == index] for index in range(len(self.samples))]
+
+    def complete(self) -> None:
+        """A run too short to time every probe `PROBE_MIN_TIMINGS` times tops them up after it: one timing
+        of a reference step is as noisy as the steps themselves (+-6% on this VM)."""
+        for index, times in enumerate(self.times):
+            for _ in range(PROBE_MIN_TIMINGS - len(times)):
+                self._time(index)
+
+    def ratios(self) -> list[float]:
+        """Now against then, for every timing in the order taken."""
+        return [seconds / self.samples[probe]["median_s"] for _, probe, seconds in self.timeline]
+
+    def speed(self) -> float:
+        """The median ratio of now to then over every probe timed: > 1 where the machine is slower now."""
+        ratios = self.ratios()
+        return float(np.median(ratios)) if ratios else 1.0
+
+    def probe_like(self, kind: str, num_decodes: int) -> int | None:
+        """The probe most like a step: a prefill or mixed step its regime's probe, a decode step the decode probe
+        nearest in batch size (by ratio: 1 is as far from 4 as 4 from 16)."""
+        same = [index for index, sample in enumerate(self.samples) if sample.get("kind") == kind]
+        if kind != "decode" or not same:
+            return same[0] if same else None
+        return min(same, key=lambda index: abs(np.log(max(1, self.samples[index]["batch"]["num_decodes"])
+                                                      / max(1, num_decodes))))
+
+    def local_speeds(self, shapes: list[tuple[str, int]]) -> list[float]:
+        """The machine's speed for each served step, given as (regime, decodes): how slow the machine was
+        around that instant (the median ratio of the probe timings nearest to it, two of each reference step)
+        times how much slower than that the probe most like the step ran over the whole run.
+
+        Both matter. A neighbour on this VM can slow every step by 1.5-2x for a minute and then leave
+        (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the whole run
+        would pass that minute's error on to the rest. And the drift is not one factor for every shape: in one
+        run the prefill probe ran 20% slower than profiled, the single-sequence decode 11%, the decode of 10
+        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast. A probe timed
+        fewer than `SHAPE_MIN_TIMINGS` times (a short run) gives no shape factor: its median would be noise."""
+        if not self.timeline:
+            return [1.0] * len(shapes)
+        at = np.array([step for step, _, _ in self.timeline], dtype=float)
+        probes = np.array([probe for _, probe, _ in self.timeline])
+        ratios = np.array(self.ratios())
+        window = min(len(ratios), 2 * len(self.samples))
+
+        def around(step: float) -> float:
+            return float(np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]))
+
+        relative = ratios / np.array([around(step) for step in at])
+        shape_factor = {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())
+                        if int((probes == index).sum()) >= SHAPE_MIN_TIMINGS}
+        return [around(step + 0.5) * shape_factor.get(self.probe_like(kind, decodes), 1.0)
+                for step, (kind, decodes) in enumerate(shapes)]
+
+    def report(self, local_speeds: list[float]) -> dict[str, Any]:
+        from engine.harness.profiler import Profiler
+
+        local = local_speeds or [self.speed()]
+        return {"slowdown_vs_profile_pct": round(100 * (self.speed() - 1), 3), "probe_every_steps": self.every,
+                "local_slowdown_pct": [round(100 * (min(local) - 1), 3), round(100 * (max(local) - 1), 3)],
+                "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
+                            "timed": len(times), "median_s": round(float(np.median(times)), 6),
+                            "slowdown_pct": round(100 * (float(np.median(times)) / s["median_s"] - 1), 3)}
+                           for s, times in zip(self.samples, self.times)]}
+
+
+def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, max_num_seqs: int = 256,
+           max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
+    from engine.core.profile_format import engine_version
+    from engine.harness.profiler import Profiler, SweepPlan
+    from engine.harness.served_run import ServeRequest, serve
+
+    profile = load_profile(profile_path)
+    fingerprint = profile["fingerprint"]
+    check_fingerprint(fingerprint, "profile", engine_version=engine_version())
+    if fingerprint.get("device") != "cpu":
+        raise PlannerError(f"verification runs the engine here, on a CPU; this profile is from "
+                           f"{fingerprint.get('device_name')!r}")
+    calibration = Calibration.of(calibrate(profile, max_mape))
+    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
+    if linears is not None:          # the profiled model itself: its linears as measured, by row count
+        params = calibration.measured_parameters
+    costs = profile_costs(profile["model"])
+    specs = workload.requests()
+    if any(spec.arrival_s is None for spec in specs):
+        raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
+    llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"],
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    with ExitStack() as cleanup:
+        cleanup.callback(llm.close)
+        prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs],
+                                  llm.model_config.vocab_size)
+        requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
+        if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
+            profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
+        else:
+            profiler = Profiler(engine_of(fingerprint, kv_cache_gib, **reference_settings),
+                                SweepPlan(warmup=1, repeats=1))
+        probes = DriftProbes(profiler, probe_samples(profile, profiler))
+        warm_up(llm, max(spec.prompt_tokens for spec in specs))
+        cpu_before = cpu_ticks()
+        served = serve(llm, requests, clock="virtual", between_steps=probes)
+        probes.complete()
+        steal = steal_pct(cpu_before, cpu_ticks())
+    speeds = probes.local_speeds([served_shape(step) for step in served.steps])
+    starts = [step.start_s for step in served.steps]
+
+    config = llm.scheduler_config
+    def step_seconds(batch: BatchShape) -> float:
+        return step_time(costs, peaks, params, batch, linears)
+
+    model = model_step_time(step_seconds, costs.index_topk)
+    simulated = Simulation(config, model, record_steps=True).run(list(specs))
+    replay_step = replayed_step_time([s.duration_s for s in served.steps])
+    modelled: list[tuple[str, float]] = []
+
+    def replay_and_model(output: SchedulerOutput) -> float:
+        modelled.append((regime_of(batch_shape(output)), model(output)))
+        return replay_step(output)
+
+    replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
+    measured = summarize(served.timings)
+    predicted = simulated.report()
+
+    def drifted(output: SchedulerOutput) -> float:
+        """The model's step at the machine's speed of the served step under way at that instant."""
+        served_step = max(0, bisect.bisect_right(starts, corrected.env.now) - 1)
+        return speeds[served_step] * model(output) if speeds else model(output)
+
+    corrected = Simulation(config, drifted)
+    corrected_report = corrected.run(list(specs)).report()
+    metrics = {
+        "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
+                                       llm.capacity_tokens),
+        "peak_concurrency": compared(predicted["max_concurrency_reached"], max(s.running for s in served.steps)),
+        "preemptions": compared(predicted["preemptions"], served.preemptions),
+        **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},
+    }
+    replay = {"preemptions": compared(replayed.preemptions, served.preemptions),
+              "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
+              "steps": len(served.steps),
+              "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps]),
+              "step_model_drift_corrected": step_model_errors(
+                  [(kind, speed * seconds) for (kind, seconds), speed in zip(modelled, speeds)],
+                  [s.duration_s for s in served.steps])}
+    machine = {**probes.report(speeds), "cpu_steal_pct": steal,
+               "metrics_drift_corrected": {name: compared(corrected_report[name], measured[name])
+                                           for name in TIMING_METRICS}}
+    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
+            "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
+            "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
+                       "max_num_batched_tokens": max_num_batched_tokens, "capacity_tokens": llm.capacity_tokens}}
+
+
+def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
+    """The fit the prediction used: with measured linears where the profile has them."""
+    fitted = document.get("measured_linears") or document
+    return {"measured_linears": "measured_linears" in document,
+            **{k: v for k, v in fitted.items() if k.startswith(("mape", "holdout")) or k == "parameters"}}
+
+
+def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str, Any]]:
+    """Profile steps to time again: the median prefill, the quickest mixed step, and decodes at the smallest,
+    middle and largest batch (the drift is not one factor: on a shared 2-core VM the batched steps, which
+    use both cores, slowed by 1.4-1.7x over a day while single-sequence ones moved 0-20%)."""
+    runnable = [s for s in profile["samples"] if profiler.can_remeasure(s)]
+    by_kind = {kind: sorted((s for s in runnable if s["kind"] == kind), key=lambda s: s["median_s"]) for kind in REGIMES}
+    chosen = []
+    if by_kind["prefill"]:
+        chosen.append(by_kind["prefill"][(len(by_kind["prefill"]) - 1) // 2])
+    if by_kind["mixed"]:
+        chosen.append(by_kind["mixed"][0])
+    batches = sorted({s["batch"]["num_decodes"] for s in by_kind["decode"]})
+    for batch in dict.fromkeys((batches[0], batches[(len(batches) - 1) // 2], batches[-1]) if batches else ()):
+        at_batch = [s for s in by_kind["decode"] if s["batch"]["num_decodes"] == batch]
+        chosen.append(at_batch[(len(at_batch) - 1) // 2])
+    return chosen
+
+
+def served_shape(step: ServedStep) -> tuple[str, int]:
+    """A served step's regime and its number of decodes."""
+    decodes = sum(1 for _, start, new in step.batch if new == 1 and start > 0)
+    if decodes == len(step.batch):
+        return "decode", decodes
+    return ("prefill" if not decodes else "mixed"), decodes
+
+
+def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) -> dict[str, dict[str, float]]:
+    """The step model on the very steps the engine ran (same batches, replayed): per regime the median
+    error of one step and the error of their summed time, which is what throughput sees. This separates
+    the model's error from what queueing makes of it."""
+    out = {}
+    for name in ("prefill", "decode", "mixed", "all"):
+        pairs = [(p, m) for (kind, p), m in zip(modelled, measured) if name in (kind, "all") and m > 0]
+        if pairs:
+            predicted, actual = np.array(pairs).T
+            out[name] = {"steps": len(pairs), "median_error_pct": round(float(100 * np.median(predicted / actual - 1)), 3),
+                         "total_error_pct": round(float(100 * (predicted.sum() / actual.sum() - 1)), 3)}
+    return out
+
+
+
+
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    rows = metrics_table(result["metrics"])
+    fp = result["fingerprint"]
+    replay = result["replay"]
+    return "\n".join([
+        f"# Verification: {fp['model']} ({fp['weights']} weights, {fp['kv_dtype']} KV) on {fp['device_name']}",
+        "", f"Workload: `{result['workload']}`", "", *rows, "",
+        f"Replaying the engine's {replay['steps']} measured step times, the simulator formed "
+        f"{'the same' if replay['same_batches'] else 'DIFFERENT'} batches; preemptions predicted "
+        f"{replay['preemptions']['predicted']}, measured {replay['preemptions']['measured']}.",
+        "", "The step model on those same steps (what its error is before queueing compounds it):", "",
+        "| steps | count | median step error | summed time error | at the machine's speed then: median | summed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *(f"| {name} | {e['steps']} | {e['median_error_pct']:+.1f}% | {e['total_error_pct']:+.1f}% | "
+          f"{d['median_error_pct']:+.1f}% | {d['total_error_pct']:+.1f}% |"
+          for (name, e), d in zip(replay["step_model"].items(), replay["step_model_drift_corrected"].values())),
+        "", _drift_section(result["machine"]),
+        "", f"Calibration fit: {result['calibration']}", ""])
+
+
+def _drift_section(machine: dict[str, Any]) -> str:
+    points = ", ".join(f"{p['kind']} {tuple(p['point'])} {p['slowdown_pct']:+.1f}% ({p['timed']}x)"
+                       for p in machine["probes"])
+    rows = [f"The profile's own steps, timed again between the served steps (one every "
+            f"{machine['probe_every_steps']}), ran slower than when profiled by: {points}; by "
+            f"{machine['slowdown_vs_profile_pct']:+.1f}% in the median"
+            + (f" (meanwhile the hypervisor gave {machine['cpu_steal_pct']}% of the CPU time to other guests)"
+               if machine.get("cpu_steal_pct") is not None else "")
+            + ". With each predicted step time scaled by the probes nearest to it, as the probe most like it ran ("
+            + "{:+.1f}%..{:+.1f}%)".format(*machine["local_slowdown_pct"]) + ":", "",
+            *metrics_table(machine["metrics_drift_corrected"])]
+    return "\n".join(rows)
+
+
