@@ -198,7 +198,7 @@ def show_live_verification() -> None:
         st.error("Give the endpoint's calibration: make one with `planner calibrate --endpoint URL --model M "
                  "--hardware H --out FILE`")
         return
-    from planner.endpoint.live import verify_endpoint
+    from planner.endpoint.verify import verify_endpoint
     from planner.ui.plots import predicted_vs_measured
 
     workload = Workload("poisson", requests, rate=rate, prompt=LengthDistribution("fixed", prompt),

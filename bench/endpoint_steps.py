@@ -22,20 +22,13 @@ from typing import Any
 from engine.core.metrics import RequestTiming, summarize
 from engine.core.profile_format import regime_of
 from engine.server.app import serve_subprocess
-from planner.calibration.profile_fit import load_calibration
+from planner.calibration.parameters import load_calibration
 from planner.catalog.models import get_model
 from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import Deployment
-from planner.endpoint.live import (
-    EndpointSweep,
-    RowResiduals,
-    calibrate_endpoint,
-    calibrated_step,
-    probed_workload,
-    server_shape,
-    simulate_endpoint,
-    with_client,
-)
+from planner.endpoint.calibrate import EndpointSweep, RowResiduals, calibrate_endpoint
+from planner.endpoint.client import server_shape, with_client
+from planner.endpoint.verify import calibrated_step, probed_workload, simulate_endpoint
 from planner.simulation.workload import LengthDistribution, Workload
 from planner.verification.comparison import TIMING_METRICS, compared
 from planner.verification.verify import served_shape, step_model_errors

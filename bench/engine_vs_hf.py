@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.reference_text import cut_prompts, reference_text
 from engine.core.sequence import SamplingParams
 from engine.llm import LLM
 from engine.model.loader import resolve
@@ -22,10 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def english_prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
-    from pydoc_data.topics import topics
-
-    ids = llm.tokenizer.encode(" ".join(topics[key] for key in sorted(topics)[:60]))
-    return [ids[i * 200:i * 200 + length] for i in range(count)]
+    return cut_prompts(llm.tokenizer.encode(reference_text(slice(60))), [length] * count, stride=200)
 
 
 def time_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:

@@ -32,7 +32,7 @@ from planner.benchmarks.fit import (
     refusal,
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
-from planner.calibration.profile_fit import PUBLIC_BENCHMARKS
+from planner.calibration.parameters import PUBLIC_BENCHMARKS
 from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
 

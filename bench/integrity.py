@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from engine.core.reference_text import reference_ids
 from engine.core.sequence import SamplingParams
 from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, run_trial
 from engine.llm import LLM
@@ -45,12 +46,7 @@ PARALLEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 
 def english_ids(llm: LLM) -> list[int]:
     """English text's tokens; a model without a tokenizer (random weights): fixed pseudo-random ids."""
-    if llm.tokenizer is None:
-        rng = random.Random(0)
-        return [rng.randrange(3, llm.model_config.vocab_size) for _ in range(4096)]
-    from pydoc_data.topics import topics
-
-    return llm.tokenizer.encode(" ".join(topics[key] for key in sorted(topics)[:60]))
+    return reference_ids(llm.tokenizer, llm.model_config.vocab_size, 4096, slice(60))
 
 
 class CheckTimer:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.core.memory import WeightFormat, kv_bytes_per_token
+from engine.core.reference_text import reference_text
 from engine.core.sequence import SamplingParams
 from engine.harness.perplexity import perplexity
 from engine.llm import LLM
@@ -72,9 +73,7 @@ def run_cpu(args: argparse.Namespace) -> dict:
     chosen = [c for c in COMBINATIONS if args.only is None or args.only in c[0]]
     engines = {label: build(options, search) for label, options, search in chosen}
     any_engine = next(iter(engines.values()))
-    from pydoc_data.topics import topics
-
-    ids = any_engine.tokenizer.encode(" ".join(topics[key] for key in sorted(topics)[:60]))
+    ids = any_engine.tokenizer.encode(reference_text(slice(60)))
     prompts = [ids[i * 150:i * 150 + 128] for i in range(16)]
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in engines}
     for _ in range(args.repeats):

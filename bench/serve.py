@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.metrics import summarize
-from engine.harness.served_run import ServeRequest, serve
+from engine.harness.served_run import ServeRequest, serve_requests
 from engine.llm import LLM
 from engine.server.app import serve_subprocess
-from planner.endpoint.live import Client, serve_workload, synthetic_prompt
+from planner.endpoint.client import Client, serve_workload, synthetic_prompt
 from planner.simulation.workload import LengthDistribution, Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def served_in_process(llm: LLM, workload: Workload) -> dict:
     rng = np.random.default_rng(1)
     requests = [ServeRequest(spec.arrival_s, synthetic_prompt(spec.prompt_tokens, llm.model_config.vocab_size, rng),
                              spec.output_tokens) for spec in workload.requests()]
-    return summarize(serve(llm, requests, clock="wall").timings)
+    return summarize(serve_requests(llm, requests, clock="wall").timings)
 
 
 def main() -> None:

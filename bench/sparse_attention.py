@@ -19,7 +19,8 @@ from pathlib import Path
 
 from engine.harness.profiler import Profiler, SweepPlan
 from engine.llm import LLM
-from planner.calibration.profile_fit import Calibration, calibrate, profile_costs
+from planner.calibration.parameters import Calibration
+from planner.calibration.profile_fit import calibrate, profile_costs
 from planner.cost.step_model import BatchShape, step_time
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -192,7 +192,7 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from engine.llm import LLM
-    from engine.server.app import ServerConfig, serve
+    from engine.server.app import ServerConfig, run_server
 
     config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting,
                           args.step_trace)
@@ -200,7 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)) as llm:
         print(f"engine: serving {config.model_name!r} on http://{config.host}:{config.port} "
               f"({llm.capacity_tokens} KV token slots)", file=sys.stderr, flush=True)
-        serve(llm, config)
+        run_server(llm, config)
 
 
 def main(argv: list[str] | None = None) -> None:

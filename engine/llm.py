@@ -12,6 +12,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, SchedulerConfig
 from engine.core.errors import ConfigError, RequestError
 from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
+from engine.core.reference_text import reference_text
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.executor.integrity import IntegrityChecker, Violation
@@ -43,9 +44,7 @@ def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int)
     if tokenizer is None:
         generator = torch.Generator().manual_seed(0)
         return torch.randint(0, vocab_size, (count,), generator=generator).tolist()
-    from pydoc_data.topics import topics
-
-    return tokenizer.encode(topics[sorted(topics)[-1]])[:count]
+    return tokenizer.encode(reference_text(slice(-1, None)))[:count]
 
 
 class LLM:

@@ -171,7 +171,7 @@ def _write_verification(out: Path, report: str, result: dict[str, Any]) -> None:
 
 
 def _verify_endpoint(args: argparse.Namespace, workload: Workload) -> None:
-    from planner.endpoint.live import endpoint_report, verify_endpoint
+    from planner.endpoint.verify import endpoint_report, verify_endpoint
 
     if args.calibration is None:
         raise PlannerError("--endpoint needs --calibration: make one with `planner calibrate --endpoint`")
@@ -259,7 +259,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from planner.deployment.capacity import compare, sparse_attention_crossover
+    from planner.deployment.comparisons import compare, sparse_attention_crossover
 
     deployment = _deployment(args, args.weights[0], args.kv[0])
     rows = compare(deployment, args.weights, args.kv)
@@ -316,7 +316,7 @@ def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, 
     from dataclasses import replace
 
     from planner.deployment.capacity import Deployment
-    from planner.endpoint.live import EndpointSweep, calibrate_endpoint
+    from planner.endpoint.calibrate import EndpointSweep, calibrate_endpoint
 
     if args.model is None or args.hardware is None:
         raise PlannerError("--endpoint needs --model and --hardware: what the server runs, as the planner knows it")
@@ -351,7 +351,8 @@ SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", 
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from planner.deployment.capacity import deployment_uncertainty, figure_uncertainty, simulate
+    from planner.deployment.capacity import deployment_uncertainty, figure_uncertainty
+    from planner.deployment.simulate import simulate
     from planner.simulation.workload import LengthDistribution, Workload
 
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,

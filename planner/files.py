@@ -1,10 +1,10 @@
 """Reading the planner's JSON inputs, with one-line errors that name the file."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from engine.core.files import read_json_object
 from planner.errors import PlannerError
 
 PACKAGE = Path(__file__).resolve().parent
@@ -13,12 +13,4 @@ PROFILES = PACKAGE / "profiles"       # the committed profiles and calibrations:
 
 
 def read_json(path: str | Path, what: str) -> dict[str, Any]:
-    try:
-        document = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise PlannerError(f"{what} {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlannerError(f"{what} {str(path)!r} is not readable JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise PlannerError(f"{what} {str(path)!r} is not a JSON object")
-    return document
+    return read_json_object(path, what, PlannerError)

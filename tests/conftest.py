@@ -33,12 +33,10 @@ def engine():
 @pytest.fixture(scope="session")
 def english_prompts(engine) -> list[list[int]]:
     """16 prompts of different lengths cut from real English text shipped with Python."""
-    from pydoc_data.topics import topics
+    from engine.core.reference_text import cut_prompts, reference_text
 
-    text = " ".join(topics[key] for key in sorted(topics)[:40])
-    ids = engine.tokenizer.encode(text)
     lengths = [3, 7, 12, 18, 25, 31, 40, 47, 55, 64, 71, 80, 93, 101, 117, 130]
-    return [ids[i * 150:i * 150 + n] for i, n in enumerate(lengths)]
+    return cut_prompts(engine.tokenizer.encode(reference_text(slice(40))), lengths, stride=150)
 
 
 def run_cli(*args: str, timeout: float = 300):

@@ -21,7 +21,7 @@ from planner.benchmarks.fit import (
     replay,
 )
 from planner.benchmarks.formats import BenchmarkPoint, Measurement, PointDefaults, read_benchmarks
-from planner.calibration.profile_fit import PUBLIC_BENCHMARKS, load_calibration
+from planner.calibration.parameters import PUBLIC_BENCHMARKS, load_calibration
 from planner.cost.step_model import StepParameters
 from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError

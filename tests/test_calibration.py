@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from engine.core.profile_format import PROFILE_VERSION, REGIMES, chunk_pairs
+from planner.calibration.parameters import check_fingerprint, load_calibration
 from planner.calibration.profile_fit import (
     BOUNDS,
     MAX_MAPE_PCT,
     PARAMETER_NAMES,
     Points,
     calibrate,
-    check_fingerprint,
-    load_calibration,
     load_profile,
     predict,
     profile_costs,

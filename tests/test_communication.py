@@ -7,7 +7,8 @@ from dataclasses import fields, replace
 import numpy as np
 import pytest
 
-from planner.calibration.profile_fit import HELD, PARAMETER_NAMES, Points, free_parameters, step_parameters
+from planner.calibration.parameters import step_parameters
+from planner.calibration.profile_fit import HELD, PARAMETER_NAMES, Points, free_parameters
 from planner.catalog.hardware import get_hardware
 from planner.catalog.models import get_model
 from planner.cost.communication import LinkFit, fit_alpha_beta, wire_bytes

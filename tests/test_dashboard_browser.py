@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import urllib.request
 
 import pytest
 from conftest import REPO
+
+from engine.parallel.group import free_port
 
 SCREENSHOT = REPO / "bench" / "results" / "dashboard_plan.png"
 WEIGHTS_BLUE = (0x4C, 0x78, 0xA8)         # planner.ui.plots.MEMORY_COLORS["weights"]
@@ -25,12 +26,6 @@ def chromium() -> str:
         if shutil.which(name):
             return shutil.which(name)
     pytest.fail("no Chromium: `make test` installs Debian's chromium (apt-get install chromium)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(url: str, seconds: float) -> bytes:

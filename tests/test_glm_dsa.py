@@ -212,7 +212,8 @@ def test_sparse_decode_cost_flattens_above_index_topk_and_the_crossover_is_print
     from test_deepseek import planner_json
 
     from planner.catalog.models import get_model
-    from planner.deployment.capacity import Deployment, costing, sparse_attention_crossover
+    from planner.deployment.capacity import Deployment, costing
+    from planner.deployment.comparisons import sparse_attention_crossover
 
     deployment = Deployment(model="glm-5.2", hardware="h200", gpus=8, weights="fp8", kv_dtype="bf16")
     step = costing(deployment, get_model("glm-5.2")).single_stream_step

@@ -49,8 +49,8 @@ def test_stale_table_and_foreign_page_are_caught_with_owner_and_epoch():
     manager, _, checker = tiny_pool("ownership")
     manager.allocate(1, 8)              # pages 0, 1
     manager.allocate(2, 4)              # page 2
-    manager._release([1])               # page 1 freed behind seq 1's back: epoch 0 -> 1
-    manager._tables[2][0] = 0           # seq 2's table names seq 1's page 0
+    manager.fault_release(1)            # page 1 freed behind seq 1's back: epoch 0 -> 1
+    manager.fault_table(2)[0] = 0       # seq 2's table names seq 1's page 0
     found = {(v.seq_id, v.page): v for v in checker.check([scheduled(1, 8), scheduled(2, 4)])}
     assert set(found) == {(1, 1), (2, 0)}
     assert (found[1, 1].found_owner, found[1, 1].found_epoch, found[1, 1].expected_epoch) == (-1, 1, 0)
@@ -62,7 +62,7 @@ def test_freeing_a_bad_table_releases_true_pages_and_quarantines_the_rest():
     manager, _, checker = tiny_pool("ownership")
     manager.allocate(1, 8)              # pages 0, 1
     manager.allocate(2, 4)              # page 2
-    manager._tables[1][1] = 2           # seq 1 names seq 2's page; its own page 1 is orphaned
+    manager.fault_table(1)[1] = 2       # seq 1 names seq 2's page; its own page 1 is orphaned
     manager.free(1)
     assert manager.quarantined == {2}
     assert [v.page for v in checker.take_violations()] == [2]

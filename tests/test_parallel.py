@@ -15,7 +15,7 @@ from engine.core.memory import kv_bytes_per_token, kv_layout
 from engine.core.sequence import SamplingParams
 from engine.harness.fault_campaign import FAULT_KINDS, crash_worker
 from engine.llm import LLM
-from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu, weight_scheme
+from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu, planned_weight_scheme
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -74,7 +74,7 @@ def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
         assert len(greedy(llm, max_tokens=2)) == len(PROMPT_LENGTHS)      # FP8 scales calibrated on both ranks
         ranks = llm.memory_by_rank()
         spec = llm.model_config
-    planned = component_bytes_per_gpu(spec, weight_scheme(spec, weights, group_size=32), Parallelism(gpus=2))
+    planned = component_bytes_per_gpu(spec, planned_weight_scheme(spec, weights, group_size=32), Parallelism(gpus=2))
     per_token = kv_bytes_per_token(kv_layout(spec, kv_dtype, 2))
     assert len(ranks) == 2
     for rank in ranks:

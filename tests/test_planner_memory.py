@@ -9,15 +9,16 @@ import pytest
 from conftest import REPO
 
 from planner.catalog.hardware import get_hardware, hardware_names
-from planner.catalog.models import CONFIGS, get_model, model_names, spec_from_config
+from planner.catalog.models import CONFIGS, get_model, model_names, parse_model_config
 from planner.cost.memory_plan import (
     Parallelism,
     component_bytes_per_gpu,
     kv_bytes_per_token_total,
     plan_memory,
-    weight_scheme,
+    planned_weight_scheme,
 )
-from planner.deployment.capacity import Deployment, evaluate, kv_dtype_comparison, weight_dtype_comparison
+from planner.deployment.capacity import Deployment, evaluate
+from planner.deployment.comparisons import kv_dtype_comparison, weight_dtype_comparison
 from planner.errors import PlannerError
 
 B = 1e9
@@ -45,13 +46,13 @@ def test_dsa_indexer_layers_follow_indexer_types():
     assert [glm.truncated(n).attention.indexer_layers for n in (1, 3, 4, 6, 7)] == [1, 3, 3, 3, 4]
     config = json.loads((CONFIGS / "glm-5.2.json").read_text())
     del config["indexer_types"]
-    assert spec_from_config(config, "glm").attention.indexer_types == types
+    assert parse_model_config(config, "glm").attention.indexer_types == types
     config["index_topk_pattern"] = "FS" * 39
-    assert spec_from_config(config, "glm").attention.indexer_layers == 39
+    assert parse_model_config(config, "glm").attention.indexer_layers == 39
     for bad, message in ((["full", "sparse"] * 39, "must be 'full' or 'shared'"), (["full"] * 77, "77 indexer_types"),
                          (["shared"] * 78, "first layer's indexer type")):
         with pytest.raises(PlannerError, match=message):
-            spec_from_config({**config, "indexer_types": bad}, "glm")
+            parse_model_config({**config, "indexer_types": bad}, "glm")
 
 
 @pytest.mark.parametrize("name, total, active", [
@@ -98,26 +99,26 @@ def test_engine_info_and_the_planner_agree_on_smollm2_bytes_by_component():
     from engine.model.loader import resolve, weight_bytes_report
 
     config = json.loads((CONFIGS / "smollm2-135m.json").read_text())
-    planner_model = spec_from_config(config, "smollm2-135m")
+    planner_model = parse_model_config(config, "smollm2-135m")
     report = weight_bytes_report(resolve(str(CONFIGS / "smollm2-135m.json")), planner_model,
                                  EngineConfig(weights="bf16", group_size=64))
     for weights in ("bf16", "fp8", "int4"):
-        planner_bytes = component_bytes_per_gpu(planner_model, weight_scheme(planner_model, weights, 64), Parallelism(1))
+        planner_bytes = component_bytes_per_gpu(planner_model, planned_weight_scheme(planner_model, weights, 64), Parallelism(1))
         assert report["weight_bytes_by_dtype"][weights]["total"] == sum(planner_bytes.values())
     assert report["weight_bytes_by_component"] == component_bytes_per_gpu(
-        planner_model, weight_scheme(planner_model, "bf16"), Parallelism(1))
+        planner_model, planned_weight_scheme(planner_model, "bf16"), Parallelism(1))
 
 
 def test_weight_bytes_by_hand():
     llama = get_model("llama-3.1-8b")
-    bf16 = component_bytes_per_gpu(llama, weight_scheme(llama, "bf16"), Parallelism(1))
+    bf16 = component_bytes_per_gpu(llama, planned_weight_scheme(llama, "bf16"), Parallelism(1))
     assert sum(bf16.values()) == 2 * llama.total_parameters
-    fp8 = component_bytes_per_gpu(llama, weight_scheme(llama, "fp8"), Parallelism(1))
+    fp8 = component_bytes_per_gpu(llama, planned_weight_scheme(llama, "fp8"), Parallelism(1))
     # q, k, v, o, gate, up, down per layer: one fp32 scale per output row
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
     assert fp8["attention"] + fp8["dense_ffn"] == (bf16["attention"] + bf16["dense_ffn"]) // 2 + 4 * rows
     kimi = get_model("kimi-k2.6")
-    native = component_bytes_per_gpu(kimi, weight_scheme(kimi, "native"), Parallelism(1))
+    native = component_bytes_per_gpu(kimi, planned_weight_scheme(kimi, "native"), Parallelism(1))
     routed = kimi.component_parameters()["routed_experts"]
     assert native["routed_experts"] == routed // 2 + routed // 32 * 2       # INT4 g32, one bf16 scale per group
     assert native["attention"] == 2 * kimi.component_parameters()["attention"]
@@ -128,8 +129,8 @@ def test_nvfp4_bytes_by_hand_and_only_on_blackwell():
     token (Llama-3.1-70B: 80 layers x 2 x 8 heads x 128 = 163,840 values: 81,920 + 10,240 bytes), 9/16 of FP8's.
     B200 runs it on its FP4 tensor cores; an H100 has none: refused in one line."""
     llama = get_model("llama-3.1-70b")
-    nvfp4 = component_bytes_per_gpu(llama, weight_scheme(llama, "nvfp4"), Parallelism(1))
-    bf16 = component_bytes_per_gpu(llama, weight_scheme(llama, "bf16"), Parallelism(1))
+    nvfp4 = component_bytes_per_gpu(llama, planned_weight_scheme(llama, "nvfp4"), Parallelism(1))
+    bf16 = component_bytes_per_gpu(llama, planned_weight_scheme(llama, "bf16"), Parallelism(1))
     matrices = sum(linear.count for name in ("attention", "dense_ffn") for linear in llama.components()[name].linears)
     values = (bf16["attention"] + bf16["dense_ffn"]) // 2
     assert nvfp4["attention"] + nvfp4["dense_ffn"] == values // 2 + values // 16 + 4 * matrices
@@ -176,7 +177,7 @@ def test_fp8_kv_doubles_capacity_less_its_scale_overhead(name):
 def test_int4_weights_never_increase_any_byte_count(name):
     model = get_model(name)
     parallel = Parallelism(8 if model.total_parameters > 200 * B else 1)
-    by_dtype = {w: component_bytes_per_gpu(model, weight_scheme(model, w, 64 if name == "smollm2-135m" else 128),
+    by_dtype = {w: component_bytes_per_gpu(model, planned_weight_scheme(model, w, 64 if name == "smollm2-135m" else 128),
                                            parallel) for w in ("bf16", "fp8", "int4")}
     for component, int4_bytes in by_dtype["int4"].items():
         assert int4_bytes <= by_dtype["fp8"][component] <= by_dtype["bf16"][component], component
@@ -297,7 +298,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
     result = planner_cli("plan", "--model", str(config), "--hardware", "h200", "--gpus", "1")
     assert result.returncode == 2 and "unsupported architecture 'gpt2'" in result.stderr
     with pytest.raises(PlannerError, match="lacks the key"):
-        spec_from_config({"model_type": "llama"}, "broken")
+        parse_model_config({"model_type": "llama"}, "broken")
 
 
 def test_hardware_catalogue_is_complete():
@@ -323,7 +324,7 @@ def test_hardware_catalogue_is_complete():
           max_position_embeddings=131072, attention_bias=True, num_nextn_predict_layers=1), 355 * B, None),  # GLM-4.5
 ])
 def test_other_families_parse_to_their_published_sizes(config, total, active):
-    model = spec_from_config(config, config["model_type"])
+    model = parse_model_config(config, config["model_type"])
     assert model.total_parameters == pytest.approx(total, rel=0.01)
     if active is not None:
         assert model.active_parameters == pytest.approx(active, rel=0.01)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from planner.catalog.hardware import get_hardware
 from planner.catalog.models import get_model
 from planner.cost.memory_plan import plan_memory
-from planner.deployment.capacity import Deployment, simulate
+from planner.deployment.capacity import Deployment
+from planner.deployment.simulate import simulate
 from planner.search.deployments import Ranked, SearchResult, SearchSpace, Slo, cheapest_fleet, run_search
 from planner.search.executors import ResultCache
 from planner.simulation.workload import LengthDistribution, Workload

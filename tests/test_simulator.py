@@ -13,7 +13,8 @@ from conftest import REPO
 
 from engine.core.config import SchedulerConfig
 from planner.cost.step_model import BatchShape
-from planner.deployment.capacity import Deployment, preemption_onset
+from planner.deployment.capacity import Deployment
+from planner.deployment.simulate import preemption_onset
 from planner.errors import PlannerError
 from planner.simulation.simulator import Simulation, model_step_time, replayed_step_time
 from planner.simulation.workload import LengthDistribution, RequestSpec, Workload, read_trace
@@ -166,7 +167,7 @@ def test_simulator_replays_the_engines_batches(english_prompts):
     """The real engine serves staggered requests on a virtual clock; the simulator, given the engine's
     measured step durations, forms exactly the same batches (ids, starts, token counts) in the same order.
     Work between steps (here a sleep, in verification the drift probes) stays out of the served timeline."""
-    from engine.harness.served_run import ServeRequest, serve
+    from engine.harness.served_run import ServeRequest, serve_requests
     from engine.llm import LLM
 
     llm = LLM(model="smollm2-135m", device="cpu", num_pages=24, page_size=8, max_num_batched_tokens=96,
@@ -184,8 +185,8 @@ def test_simulator_replays_the_engines_batches(english_prompts):
             time.sleep(0.5)
 
     with pytest.raises(ValueError, match="use 'virtual'"):
-        serve(llm, requests, clock="wall", between_steps=between_steps)
-    served = serve(llm, requests, clock="virtual", between_steps=between_steps)
+        serve_requests(llm, requests, clock="wall", between_steps=between_steps)
+    served = serve_requests(llm, requests, clock="virtual", between_steps=between_steps)
     assert calls == list(range(1, len(served.steps) + 1))
     arrivals = {r.arrival_s for r in requests}
     for before, after in zip(served.steps, served.steps[1:]):      # contiguous, or idle until an arrival

@@ -237,6 +237,21 @@ class BlockManager:
                 if page in self._free:
                     self._free.remove(page)
 
+    # Fault injection only (`engine.harness.fault_campaign`): the bookkeeping bugs the integrity checks must catch,
+    # made through the allocator's own paths so that its guard sees what a real bug would make it see.
+
+    def fault_table(self, seq_id: int) -> list[int]:
+        """The sequence's live block table, to be corrupted in place (a bug writing a wrong page id)."""
+        return self._tables[seq_id]
+
+    def fault_release(self, page: int) -> None:
+        """Frees a page its holder still names (a use-after-free bug)."""
+        self._release([page])
+
+    def fault_grant(self, seq_id: int, page: int) -> None:
+        """Hands a page another sequence holds to `seq_id` as well (a double-allocation bug)."""
+        self._grant(seq_id, [page])
+
     def check_invariants(self) -> None:
         """Raises AssertionError if the accounting is inconsistent; for tests and debugging."""
         free = set(self._free)

@@ -177,6 +177,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def advance_decodes(self, steps: int) -> None:
+        """`steps` decode steps of every running sequence at once, each sampling token 0: what as many `update`s
+        of all-decode batches leave, for the simulator's fast-forward over a window in which no sequence finishes
+        and nothing else is scheduled (the caller checked both, and the pages, with `pages_for_more`)."""
+        self.block_manager.append_many([seq.seq_id for seq in self.running], steps)
+        for seq in self.running:
+            seq.output_token_ids.extend([0] * steps)
+            seq.num_tokens += steps
+            seq.num_computed_tokens += steps
+
     def update(self, output: SchedulerOutput, sampled: dict[int, int] | None) -> list[Sequence]:
         """Advances the scheduled sequences; `sampled` maps seq_id to its new token (None: token 0 for every
         one, as the simulator samples, where lengths alone end requests). Returns the finished."""

@@ -28,7 +28,6 @@ from engine.core.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "llama4", "deepseek_v3", "glm4_moe", "glm_moe_dsa")
 WRAPPERS = {"kimi_k25": "deepseek_v3", "kimi_k2": "deepseek_v3", "llama4_text": "llama4"}
-COMPONENTS = ("attention", "dense_ffn", "routed_experts", "shared_experts", "embeddings", "head", "norms")
 DECODER_COMPONENTS = ("attention", "dense_ffn", "routed_experts", "shared_experts")   # the quantizable linears
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

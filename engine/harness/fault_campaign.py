@@ -77,22 +77,22 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
     if not holders or (needs_two and len(holders) < 2):
         return None
     victim = rng.choice(holders)
-    table = manager._tables[victim.seq_id]
+    table = manager.fault_table(victim.seq_id)
     index = rng.randrange(len(table))
     if kind == "use_after_free":
         page = table[index]
-        manager._release([page])
+        manager.fault_release(page)
     elif kind == "page_out_of_range":
         page = rng.choice((-1 - rng.randrange(manager.num_pages), manager.num_pages + rng.randrange(manager.num_pages)))
         table[index] = page
     else:
         other = rng.choice([seq for seq in holders if seq is not victim])
         if kind == "foreign_page":
-            page = rng.choice(manager._tables[other.seq_id])
+            page = rng.choice(manager.block_table(other.seq_id))
             table[index] = page
         else:
             page = table[index]
-            manager._grant(other.seq_id, [page])
+            manager.fault_grant(other.seq_id, page)
     return _fault(kind, [victim], page)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.errors import RequestError
+from engine.core.reference_text import reference_text
 from engine.llm import LLM
 
 DEFAULT_WINDOW = 512
@@ -26,11 +27,9 @@ class Perplexity:
 
 
 def evaluation_tokens(llm: LLM, window: int, windows: int) -> list[list[int]]:
-    from pydoc_data.topics import topics
-
     if llm.tokenizer is None:
         raise RequestError(f"model {llm.config.model!r} has no tokenizer to read the evaluation text")
-    ids = llm.tokenizer.encode("\n\n".join(topics[key] for key in sorted(topics)))
+    ids = llm.tokenizer.encode(reference_text(separator="\n\n"))
     if window < 2 or windows < 1 or window * windows > len(ids):
         raise RequestError(f"{windows} windows of {window} tokens do not fit the {len(ids)}-token text")
     return [ids[i * window:(i + 1) * window] for i in range(windows)]

@@ -42,7 +42,7 @@ class ServeResult:
     preemptions: int = 0
 
 
-def serve(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
+def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
           between_steps: Callable[[int], None] | None = None) -> ServeResult:
     """Runs the requests to completion, admitting each at its arrival time (outputs of exactly
     `output_tokens` tokens: end-of-sequence is ignored). `between_steps(steps so far)` runs after each step."""

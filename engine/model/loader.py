@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,8 @@ from torch import nn
 
 from engine.core.config import EngineConfig
 from engine.core.errors import ConfigError, EngineError, LoaderError
-from engine.core.memory import WeightFormat, component_weight_bytes, decoder_linear_bytes, native_scheme
-from engine.core.memory import weight_scheme as memory_weight_scheme
+from engine.core.files import read_json_object
+from engine.core.memory import WeightFormat, component_weight_bytes, decoder_linear_bytes, native_scheme, weight_scheme
 from engine.core.spec import DECODER_COMPONENTS, ModelSpec, spec_from_config
 from engine.model.architectures import model_class
 from engine.model.dtypes import TORCH_DTYPES
@@ -203,13 +202,6 @@ def _gguf_tensors(reader: Any, config: ModelSpec, native: bool) -> Iterator[tupl
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise LoaderError(f"cannot read {path}: {error}") from None
-
-
 def _safetensors_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -228,7 +220,7 @@ def read_model_config(source: ModelSource) -> ModelSpec:
         reader, fields = _read_gguf(source.path)
         return _gguf_model_config(fields, {t.name for t in reader.tensors}, source.name)
     config_path = source.path if source.kind == "random" else source.path / "config.json"
-    return spec_from_config(_read_json(config_path), source.name)
+    return spec_from_config(read_json_object(config_path, "config file", LoaderError), source.name)
 
 
 def _empty_model(config: ModelSpec, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -394,7 +386,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     engine = engine or EngineConfig(model=name)
     source = resolve(name)
     config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
-    scheme = weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
+    scheme = loaded_weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
     model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
                                    {} if group.size > 1 else scheme)
     if group.size > 1:
@@ -431,7 +423,7 @@ def _read_model(source: ModelSource, config: ModelSpec, dtype: torch.dtype, devi
     return model, tokenizer
 
 
-def weight_scheme(source: ModelSource, spec: ModelSpec, engine: EngineConfig, weights: str | None = None,
+def loaded_weight_scheme(source: ModelSource, spec: ModelSpec, engine: EngineConfig, weights: str | None = None,
                   scale_dtype: str = "fp16") -> dict[str, WeightFormat]:
     """The format of each decoder component's linears under a weights choice (the engine's by default);
     {} where they stay in the float dtype. `native` is what the checkpoint ships: GGUF Q4_1, or what the
@@ -444,19 +436,19 @@ def weight_scheme(source: ModelSource, spec: ModelSpec, engine: EngineConfig, we
         if not scheme:
             native_format(source)          # refuses, naming the source
         return scheme
-    return memory_weight_scheme(spec, weights, engine.group_size, engine.int4_symmetric, scale_dtype)
+    return weight_scheme(spec, weights, engine.group_size, engine.int4_symmetric, scale_dtype)
 
 
 def weight_bytes_report(source: ModelSource, spec: ModelSpec, engine: EngineConfig) -> dict[str, Any]:
     """Weight bytes of the chosen scheme by component (non-linear parameters in the CPU compute dtype) and,
     for comparison, of each scheme with non-linear parameters in bf16, as a GPU would serve them."""
     compute = engine.resolved_compute_dtype(on_gpu=False)
-    chosen = weight_scheme(source, spec, engine)
+    chosen = loaded_weight_scheme(source, spec, engine)
     by_component = component_weight_bytes(spec, chosen, compute)
     by_dtype: dict[str, dict[str, int]] = {}
     for name in ("bf16", "fp8", "int4", "native"):
         try:
-            scheme = weight_scheme(source, spec, engine, name)
+            scheme = loaded_weight_scheme(source, spec, engine, name)
             parts = component_weight_bytes(spec, scheme, "bf16")
         except EngineError:
             continue           # e.g. a group size that does not divide, or no native quantized scheme

@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import json
 import logging
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from engine.core.errors import ConfigError, RequestError
 from engine.core.profile_format import batch_shape, regime_of
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.llm import LLM, RequestOutput
+from engine.parallel.group import free_port
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatRequest, CompletionRequest, ResponseWriter, SamplingFields, error_body
 from engine.server.text_stream import TextStream
@@ -386,7 +386,7 @@ async def whole(engine: AsyncEngine, request: Request, stream: RequestStream, wr
         engine.abort(stream)
 
 
-def serve(llm: LLM, config: ServerConfig) -> None:
+def run_server(llm: LLM, config: ServerConfig) -> None:
     """Serves until interrupted."""
     uvicorn.run(build_app(llm, config), host=config.host, port=config.port, log_level="warning")
 
@@ -415,9 +415,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeou
 def serve_subprocess(flags: list[str], timeout_s: float = 300.0) -> Iterator[str]:
     """`engine serve FLAGS` as a process of its own on a free port of 127.0.0.1 (tests, benchmarks: its steps then
     share nothing with the caller's interpreter); yields its base URL once /health answers, stops it after."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         server = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", *flags, "--port", str(port)],
                                   cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL, stderr=log)

@@ -1,4 +1,4 @@
-"""The server's Prometheus metrics: what an operator (and `planner.endpoint.live`) reads from `/metrics`.
+"""The server's Prometheus metrics: what an operator (and `planner.endpoint.client`) reads from `/metrics`.
 
 Names follow Prometheus conventions under a `kvplan_` prefix; `kvplan_cache_config_info` carries the KV pool's
 shape as labels, the way vLLM's `vllm:cache_config_info` does, so the planner can read a server's capacity.

@@ -34,11 +34,13 @@ from engine.core.config import SchedulerConfig
 from engine.core.profile_format import batch_shape
 from engine.core.scheduler import SchedulerOutput
 from planner.benchmarks.formats import BenchmarkPoint
-from planner.calibration.profile_fit import BENCHMARKS_VERSION_PREFIX, BOUNDS, CALIBRATION_VERSION, TERM_OF
+from planner.calibration.parameters import BENCHMARKS_VERSION_PREFIX, CALIBRATION_VERSION
+from planner.calibration.profile_fit import BOUNDS, TERM_OF
 from planner.catalog.models import get_model
 from planner.cost.memory_plan import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_SEQS
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, StepTerms, combine, step_terms
-from planner.deployment.capacity import Deployment, catalogue_costs, scheduler_config
+from planner.deployment.capacity import Deployment, catalogue_costs
+from planner.deployment.simulate import scheduler_config
 from planner.errors import PlannerError
 from planner.simulation.simulator import ModelStepTime, Simulation
 from planner.simulation.workload import LengthDistribution, Workload

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.errors import ConfigError
-from engine.core.spec import ModelSpec
-from engine.core.spec import spec_from_config as parse_spec
+from engine.core.spec import ModelSpec, spec_from_config
 from planner.errors import PlannerError
 from planner.files import DATA, read_json
 
@@ -37,10 +36,10 @@ def repository(name: str) -> str:
     return REPOSITORIES.get(name) or str(Path(name).parent if name.endswith(".json") else name)
 
 
-def spec_from_config(config: dict[str, Any], name: str) -> ModelSpec:
+def parse_model_config(config: dict[str, Any], name: str) -> ModelSpec:
     """`engine.core.spec.spec_from_config`, its errors as the planner's."""
     try:
-        return parse_spec(config, name)
+        return spec_from_config(config, name)
     except ConfigError as error:
         raise PlannerError(str(error)) from None
 
@@ -57,7 +56,7 @@ def model_names() -> list[str]:
 def get_model(name: str) -> ModelSpec:
     """A preset by name, or a path to a `config.json`."""
     if name in PRESETS:
-        return spec_from_config(_load_file(str(CONFIGS / PRESETS[name])), name)
+        return parse_model_config(_load_file(str(CONFIGS / PRESETS[name])), name)
     if name.endswith(".json") or Path(name).exists():
-        return spec_from_config(_load_file(name), Path(name).stem)
+        return parse_model_config(_load_file(name), Path(name).stem)
     raise PlannerError(f"unknown model {name!r} (choose from {', '.join(PRESETS)}, or give a path to a config.json)")

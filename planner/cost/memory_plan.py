@@ -29,8 +29,8 @@ from engine.core.memory import (
     kv_bytes_per_token,
     kv_layout,
     weight_bytes,
+    weight_scheme,
 )
-from engine.core.memory import weight_scheme as engine_weight_scheme
 from engine.core.spec import Linear, ModelSpec
 from planner.catalog.hardware import HardwareSpec
 from planner.errors import PlannerError
@@ -47,13 +47,13 @@ DEFAULT_MAX_SEQS = 256
 DEFAULT_CONTEXT = 8192
 
 
-def weight_scheme(model: ModelSpec, weights: str, group_size: int = 128) -> dict[str, WeightFormat]:
+def planned_weight_scheme(model: ModelSpec, weights: str, group_size: int = 128) -> dict[str, WeightFormat]:
     """The format of each decoder component's linear layers (`engine.core.memory.weight_scheme`, bf16 scales).
     The output head and embeddings stay bf16."""
     if weights not in WEIGHT_SCHEMES:
         raise PlannerError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_SCHEMES)})")
     try:
-        return engine_weight_scheme(model, weights, group_size, scale_dtype=FLOAT_DTYPE)
+        return weight_scheme(model, weights, group_size, scale_dtype=FLOAT_DTYPE)
     except ConfigError as error:
         raise PlannerError(str(error)) from None
 
@@ -210,7 +210,7 @@ def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
         if dtype == "nvfp4" and not hardware.supports_nvfp4:
             raise PlannerError(f"NVFP4 {what} need Blackwell's FP4 tensor cores; {hardware.key} has none "
                                f"(b200 has)")
-    scheme = weight_scheme(model, weights, group_size)
+    scheme = planned_weight_scheme(model, weights, group_size)
     by_component = component_bytes_per_gpu(model, scheme, parallel)
     usable = int(hardware.memory_bytes * utilization)
     activations = activation_bytes_per_gpu(model, parallel, max_batched_tokens, max_seqs)

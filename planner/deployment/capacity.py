@@ -1,10 +1,10 @@
-"""Throughput, latency and cost of a deployment, and the comparisons the mission is about.
+"""Throughput, latency and cost of a deployment (its variants: `planner.deployment.comparisons`).
 
 A deployment is a model on a number of GPUs of one kind, with weight and KV dtypes. Memory comes from
 `planner.cost.memory_plan`; step times from `planner.cost.step_model`, with the efficiencies of a calibration when
 one exists for that hardware and these dtypes, else the documented defaults of `StepParameters`
-(`planner.calibration.profile_fit.step_parameters`). The simulation of a workload on it is here too; searching over
-deployments is `planner.search.deployments`.
+(`planner.calibration.parameters.step_parameters`). A workload on it is simulated by
+`planner.deployment.simulate`; searching over deployments is `planner.search.deployments`.
 
 Decode throughput at a context length: every replica runs its largest concurrency (the KV pool's, at
 most `max_num_seqs`) as one decode batch. Prefill throughput: one chunk of `max_num_batched_tokens` new
@@ -13,14 +13,11 @@ tokens per step. Cost per million output tokens: GPU-hours of the whole deployme
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
-from engine.core.config import SchedulerConfig
 from engine.core.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
-from engine.core.metrics import RequestTiming
 from engine.core.spec import ModelSpec
-from planner.calibration.profile_fit import FIGURE_ERRORS, step_parameters
+from planner.calibration.parameters import FIGURE_ERRORS, step_parameters
 from planner.catalog.hardware import HardwareSpec, get_hardware
 from planner.catalog.models import get_model
 from planner.cost.memory_plan import (
@@ -30,12 +27,10 @@ from planner.cost.memory_plan import (
     MemoryPlan,
     Parallelism,
     plan_memory,
-    weight_scheme,
+    planned_weight_scheme,
 )
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, SimulationResult, StepTime, model_step_time
-from planner.simulation.workload import Workload
 
 HOURS = 3600.0
 MAX_GPUS_SEARCHED = 1024
@@ -229,7 +224,7 @@ class Costing:
 
 def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
-    weight_scheme(model, deployment.weights, deployment.group_size)
+    planned_weight_scheme(model, deployment.weights, deployment.group_size)
     fitted = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
                              deployment.calibration, deployment.cuda_graphs)
     params, measured = fitted.parameters, fitted.measured_peaks
@@ -243,9 +238,9 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
 
 def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPlan]:
     """The deployment's per-GPU step costs and its hardware's catalogued peaks, before any step parameters: what
-    a black-box calibration (`planner.endpoint.live`) fits the efficiencies against."""
+    a black-box calibration (`planner.endpoint.calibrate`) fits the efficiencies against."""
     model, hardware = get_model(deployment.model), get_hardware(deployment.hardware)
-    weight_scheme(model, deployment.weights, deployment.group_size)
+    planned_weight_scheme(model, deployment.weights, deployment.group_size)
     plan = _memory_plan(deployment, model, hardware)
     return model_costs(model, plan), _peaks(deployment, hardware), plan
 
@@ -297,7 +292,7 @@ def deployment_uncertainty(deployment: Deployment) -> dict[str, float | None] | 
 
 
 def figure_uncertainty(uncertainty: dict[str, float | None] | None, figures: Iterable[str]) -> dict[str, float | None]:
-    """The error bar (%) of each named figure (`planner.calibration.profile_fit.FIGURE_ERRORS`); empty without a calibration."""
+    """The error bar (%) of each named figure (`planner.calibration.parameters.FIGURE_ERRORS`); empty without a calibration."""
     if uncertainty is None:
         return {}
     return {name: uncertainty.get(FIGURE_ERRORS[name]) for name in figures if name in FIGURE_ERRORS}
@@ -324,117 +319,23 @@ def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpe
     return None
 
 
-def compare(deployment: Deployment, weights: list[str], kv_dtypes: list[str]) -> list[Capacity]:
-    """Several dtype configurations of one deployment, side by side; one that does not fit still gets a row."""
-    return [evaluate(replace(deployment, weights=w, kv_dtype=kv)) for w in weights for kv in kv_dtypes]
 
 
-def sparse_attention_crossover(deployment: Deployment) -> int | None:
-    """The shortest context from which one stream decodes faster with the model's sparse attention (DSA) than
-    with dense MLA over every cached token (the same model without its indexer and its keys' cache); None for
-    a model without sparse attention, or where dense attention stays as fast up to the position limit."""
-    model = get_model(deployment.model)
-    attention = model.attention
-    if not attention.index_topk:
-        return None
-    dense = replace(model, attention=replace(attention, indexer_layers=0, indexer_heads=0, indexer_head_dim=0,
-                                             indexer_types=(), index_topk=0))
-    sparse_step = costing(deployment, model).single_stream_step
-    dense_step = costing(deployment, dense).single_stream_step
-    low, high = 1, model.max_position_embeddings
-    if dense_step(high) <= sparse_step(high):
-        return None
-    while low < high:           # dense minus sparse grows with the context: the first context where it is > 0
-        middle = (low + high) // 2
-        if dense_step(middle) > sparse_step(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
 
 
-def kv_dtype_comparison(deployment: Deployment) -> dict:
-    """BF16 against FP8 KV: context, concurrency, throughput at each one's largest concurrency."""
-    rows = {kv: evaluate(_with(deployment, kv_dtype=kv)) for kv in ("bf16", "fp8")}
-    bf16, fp8 = rows["bf16"], rows["fp8"]
-    return {kv: row.summary() for kv, row in rows.items()} | {
-        "capacity_ratio": _ratio(fp8.plan.kv_capacity_tokens, bf16.plan.kv_capacity_tokens),
-        "concurrency_ratio": _ratio(fp8.concurrency, bf16.concurrency),
-        "decode_throughput_ratio": _ratio(fp8.decode_tokens_per_s, bf16.decode_tokens_per_s),
-    }
 
 
-def weight_dtype_comparison(deployment: Deployment, baseline: str = "fp8", candidate: str = "int4") -> dict:
-    """FP8 against INT4 weights: size, single-stream decode speed, prefill speed."""
-    rows = {w: evaluate(_with(deployment, weights=w)) for w in (baseline, candidate)}
-    base, cand = rows[baseline], rows[candidate]
-    return {w: row.summary() for w, row in rows.items()} | {
-        "weight_bytes_ratio": _ratio(cand.plan.weights_bytes_per_gpu, base.plan.weights_bytes_per_gpu),
-        "single_stream_speedup": _ratio(cand.single_stream_tokens_per_s, base.single_stream_tokens_per_s),
-        "prefill_speedup": _ratio(cand.prefill_tokens_per_s, base.prefill_tokens_per_s),
-    }
 
 
-def _with(deployment: Deployment, **changes) -> Deployment:
-    return replace(deployment, calibration=None, **changes) if deployment.calibration else replace(deployment, **changes)
 
 
-def _ratio(numerator: float, denominator: float) -> float | None:
-    return round(numerator / denominator, 4) if denominator else None
 
 
-@dataclass(frozen=True)
-class SimulationSetup:
-    """What the simulator needs of a deployment: one replica's scheduler limits, its step time, the replicas, and
-    the API server's time per request."""
-
-    config: SchedulerConfig
-    step_time: StepTime
-    replicas: int
-    request_overhead_s: float = 0.0
-
-    def simulation(self, **options: Any) -> Simulation:
-        """A simulation of the deployment (`Simulation`'s options: router, record_steps, progress, give_up)."""
-        return Simulation(self.config, self.step_time, self.replicas, request_overhead_s=self.request_overhead_s,
-                          **options)
 
 
-def simulation_setup(deployment: Deployment) -> SimulationSetup:
-    result = evaluate(deployment)
-    plan = result.plan
-    if plan.kv_pages_per_replica <= 0:
-        raise PlannerError(f"{deployment.model} leaves no room for a KV cache on {deployment.gpus} x "
-                           f"{deployment.hardware} with {deployment.weights} weights")
-    return SimulationSetup(scheduler_config(plan, deployment), model_step_time(result.step_seconds, result.index_topk),
-                           plan.parallel.replicas, result.request_overhead_s)
 
 
-def scheduler_config(plan: MemoryPlan, deployment: Deployment) -> SchedulerConfig:
-    """One replica's scheduler: its KV pool from the memory plan, its limits from the deployment."""
-    return SchedulerConfig(num_pages=plan.kv_pages_per_replica, page_size=plan.page_size,
-                           max_num_seqs=deployment.max_num_seqs,
-                           max_num_batched_tokens=deployment.max_num_batched_tokens,
-                           max_model_len=plan.max_position_embeddings)
 
 
-def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,
-             record_steps: bool = False,
-             give_up: Callable[[RequestTiming], bool] | None = None) -> SimulationResult:
-    """The workload through the deployment's replicas, each running the engine's scheduler (stopped early where
-    `give_up` says the outcome is settled)."""
-    return simulation_setup(deployment).simulation(router=router, record_steps=record_steps, progress=progress,
-                                                   give_up=give_up).run(workload)
 
 
-def preemption_onset(deployment: Deployment, workload: Workload, max_users: int) -> int:
-    """The KV-limited concurrency: the most closed-loop users the KV pool serves without one preemption."""
-    def preempts(users: int) -> bool:
-        return simulate(deployment, replace(workload, arrival="closed", users=users)).preemptions > 0
-
-    if not preempts(max_users):
-        return max_users
-    low, high = 0, max_users            # invariant: low users never preempt, high users do
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if preempts(middle) else (middle, high)
-    return low

@@ -26,14 +26,8 @@ from engine.core.metrics import RequestTiming
 from planner.catalog.hardware import get_hardware
 from planner.catalog.models import get_model, repository
 from planner.cost.step_model import BatchShape
-from planner.deployment.capacity import (
-    HOURS,
-    Deployment,
-    deployment_uncertainty,
-    evaluate,
-    figure_uncertainty,
-    simulation_setup,
-)
+from planner.deployment.capacity import HOURS, Deployment, deployment_uncertainty, evaluate, figure_uncertainty
+from planner.deployment.simulate import simulation_setup
 from planner.errors import PlannerError
 from planner.search.executors import ResultCache, run_tasks
 from planner.simulation.workload import LengthDistribution, RequestSpec, Workload

@@ -221,11 +221,7 @@ class Replica:
             sim.note_step(self.index, start, duration, None, used, count)
             if len(scheduler.waiting) != waiting:
                 break
-        manager.append_many(ids, steps)
-        for seq in running:                 # as `steps` decode steps that sampled token 0 leave them
-            seq.output_token_ids.extend([0] * steps)
-            seq.num_tokens += steps
-            seq.num_computed_tokens += steps
+        scheduler.advance_decodes(steps)
         sim.note_pages(manager.num_used_pages)
         return steps
 

@@ -76,16 +76,6 @@ class LengthDistribution:
             lengths = np.minimum(lengths, self.maximum)
         return lengths.astype(int)
 
-    @property
-    def upper_bound(self) -> int:
-        if self.kind == "fixed":
-            return self.value
-        if self.kind == "uniform":
-            return self.high
-        if self.kind == "trace":
-            return max(self.values)
-        return self.maximum or int(self.value * np.exp(6 * self.sigma))
-
 
 @dataclass(frozen=True)
 class RequestSpec:

@@ -8,18 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from planner.catalog.models import get_model, spec_from_config
+from planner.catalog.models import get_model, parse_model_config
 from planner.cost.memory_plan import KV_DTYPES
-from planner.deployment.capacity import (
-    Deployment,
-    deployment_uncertainty,
-    evaluate,
-    figure_uncertainty,
-    kv_dtype_comparison,
-    simulate,
-    simulation_setup,
-    weight_dtype_comparison,
-)
+from planner.deployment.capacity import Deployment, deployment_uncertainty, evaluate, figure_uncertainty
+from planner.deployment.comparisons import kv_dtype_comparison, weight_dtype_comparison
+from planner.deployment.simulate import simulate, simulation_setup
 from planner.errors import PlannerError
 from planner.search.deployments import SearchSpace, Slo, preset_workload, run_search
 from planner.search.executors import DEFAULT_CACHE, ResultCache
@@ -41,7 +34,7 @@ def model_from_upload(content: bytes) -> str:
     if not isinstance(config, dict):
         raise PlannerError("the uploaded file is not a config.json object")
     digest = hashlib.sha256(content).hexdigest()[:12]
-    spec_from_config(config, f"uploaded-{digest}")
+    parse_model_config(config, f"uploaded-{digest}")
     UPLOADS.mkdir(exist_ok=True)
     path = UPLOADS / f"uploaded-{digest}.json"
     path.write_bytes(content)

@@ -22,13 +22,6 @@ def memory_breakdown(rows: dict[str, dict[str, int]]) -> go.Figure:
     return figure
 
 
-def comparison_bars(rows: list[dict[str, Any]], metric: str, title: str) -> go.Figure:
-    labels = [f"{row['weights']} / KV {row['kv']}" for row in rows]
-    figure = go.Figure(go.Bar(x=labels, y=[row[metric] or 0 for row in rows], marker_color="#4C78A8"))
-    figure.update_layout(title=title, height=360, margin=dict(t=50, b=40))
-    return figure
-
-
 def throughput_curve(points: list[dict[str, float]], slo_tpot_s: float | None = None,
                      uncertainty_pct: dict[str, float | None] | None = None) -> go.Figure:
     """Output throughput and TPOT p99 against concurrency (closed-loop users), with the TPOT SLO line and, where the

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from engine.core.reference_text import cut_prompts, reference_ids
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
@@ -15,21 +14,11 @@ if TYPE_CHECKING:
 def english_prompts(tokenizer, lengths: list[int], vocab_size: int) -> list[list[int]]:
     """Prompts of the requested lengths cut one after another from a fixed English text (a model without a
     tokenizer, random weights: from fixed pseudo-random token ids)."""
-    from pydoc_data.topics import topics
-
-    if tokenizer is None:
-        ids = np.random.default_rng(0).integers(3, vocab_size, max(lengths, default=0) * 4).tolist()
-    else:
-        ids = tokenizer.encode(" ".join(topics[key] for key in sorted(topics)))
-    prompts, cursor = [], 0
-    for length in lengths:
-        if length > len(ids):
-            raise PlannerError(f"a prompt of {length} tokens is longer than the text it is cut from ({len(ids)})")
-        if cursor + length > len(ids):
-            cursor = 0
-        prompts.append(ids[cursor:cursor + length])
-        cursor += length
-    return prompts
+    ids = reference_ids(tokenizer, vocab_size, max(lengths, default=0) * 4)
+    try:
+        return cut_prompts(ids, lengths)
+    except ValueError as error:
+        raise PlannerError(str(error)) from None
 
 
 def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any) -> LLM:

@@ -18,6 +18,7 @@ nearest to it) for a step of its shape (the probe most like it). What is left is
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,20 +28,22 @@ import numpy as np
 from engine.core.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.core.metrics import summarize
 from engine.core.profile_format import REGIMES, batch_shape, regime_of
-from planner.calibration.profile_fit import Calibration, calibrate, check_fingerprint, load_profile, profile_costs
+from planner.calibration.parameters import Calibration, check_fingerprint
+from planner.calibration.profile_fit import calibrate, load_profile, profile_costs
 from planner.catalog.models import get_model
-from planner.cost.step_model import BatchShape, step_time
+from planner.cost.step_model import step_time
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, model_step_time, replayed_step_time
+from planner.simulation.simulator import Simulation, SimulationResult, model_step_time, replayed_step_time
 from planner.simulation.workload import Workload
 from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
 from planner.verification.probe_engine import ProbeEngine
 
 if TYPE_CHECKING:
+    from engine.core.config import SchedulerConfig
     from engine.core.scheduler import SchedulerOutput
     from engine.harness.profiler import Profiler
-    from engine.harness.served_run import ServedStep
+    from engine.harness.served_run import ServedStep, ServeResult
 
 PROBE_EVERY_STEPS = 3       # one reference step is timed after every this many served steps
 PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops them up after it)
@@ -177,8 +180,6 @@ class DriftProbes:
 def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, max_num_seqs: int = 256,
            max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
     from engine.core.profile_format import engine_version
-    from engine.harness.profiler import Profiler, SweepPlan
-    from engine.harness.served_run import ServeRequest, serve
 
     profile = load_profile(profile_path)
     fingerprint = profile["fingerprint"]
@@ -187,16 +188,57 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
         raise PlannerError(f"verification runs the engine here, on a CPU; this profile is from "
                            f"{fingerprint.get('device_name')!r}")
     calibration = Calibration.of(calibrate(profile, max_mape))
-    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
-    if linears is not None:          # the profiled model itself: its linears as measured, by row count
-        params = calibration.measured_parameters
-    costs = profile_costs(profile["model"])
     specs = workload.requests()
     if any(spec.arrival_s is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
-    llm = engine_of(fingerprint, kv_cache_gib, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"],
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    engine = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    run = _serve(profile, specs, kv_cache_gib, engine)
+    served, speeds = run.served, run.speeds
+    predicted = _predict(calibration, profile, run, specs)
+    measured = summarize(served.timings)
+    metrics = {
+        "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, run.config.page_size),
+                                       run.capacity_tokens),
+        "peak_concurrency": compared(predicted.report["max_concurrency_reached"], max(s.running for s in served.steps)),
+        "preemptions": compared(predicted.report["preemptions"], served.preemptions),
+        **{name: compared(predicted.report[name], measured[name]) for name in TIMING_METRICS},
+    }
+    durations = [s.duration_s for s in served.steps]
+    replay = {"preemptions": compared(predicted.replayed.preemptions, served.preemptions),
+              "same_batches": [s.batch for s in predicted.replayed.steps] == [s.batch for s in served.steps],
+              "steps": len(served.steps),
+              "step_model": step_model_errors(predicted.modelled, durations),
+              "step_model_drift_corrected": step_model_errors(
+                  [(kind, speed * seconds) for (kind, seconds), speed in zip(predicted.modelled, speeds)], durations)}
+    machine = {**run.probes.report(speeds), "cpu_steal_pct": run.steal_pct,
+               "metrics_drift_corrected": {name: compared(predicted.drift_corrected[name], measured[name])
+                                           for name in TIMING_METRICS}}
+    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
+            "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
+            "engine": {"kv_cache_gib": kv_cache_gib, **engine, "capacity_tokens": run.capacity_tokens}}
+
+
+@dataclass
+class VerifiedRun:
+    """The workload as the engine served it, with the machine's speed measured around each of its steps."""
+
+    served: ServeResult
+    probes: DriftProbes
+    speeds: list[float]                 # per served step: the machine's speed then, against the profile's
+    steal_pct: float | None
+    config: SchedulerConfig             # the engine's
+    capacity_tokens: int
+
+
+def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int]) -> VerifiedRun:
+    """The workload through an engine configured as the profiled one, a second engine timing the profile's own
+    steps again between the served steps (drift probes)."""
+    from engine.harness.profiler import Profiler, SweepPlan
+    from engine.harness.served_run import ServeRequest, serve_requests
+
+    fingerprint = profile["fingerprint"]
+    llm = engine_of(fingerprint, kv_cache_gib, **engine)
+    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
         prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs],
@@ -210,57 +252,56 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
         probes = DriftProbes(profiler, probe_samples(profile, profiler))
         warm_up(llm, max(spec.prompt_tokens for spec in specs))
         cpu_before = cpu_ticks()
-        served = serve(llm, requests, clock="virtual", between_steps=probes)
+        served = serve_requests(llm, requests, clock="virtual", between_steps=probes)
         probes.complete()
         steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
-    starts = [step.start_s for step in served.steps]
+    return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens)
 
-    config = llm.scheduler_config
-    def step_seconds(batch: BatchShape) -> float:
-        return step_time(costs, peaks, params, batch, linears)
 
-    model = model_step_time(step_seconds, costs.index_topk)
-    simulated = Simulation(config, model, record_steps=True).run(list(specs))
-    replay_step = replayed_step_time([s.duration_s for s in served.steps])
+@dataclass
+class Predictions:
+    report: dict[str, Any]                  # the simulation with the calibrated step model
+    replayed: SimulationResult              # the engine's own step durations replayed through the scheduler
+    modelled: list[tuple[str, float]]       # the step model's price of each replayed step, with its regime
+    drift_corrected: dict[str, Any]         # the simulation with each step at the machine's speed then
+
+
+class AtServedSpeed:
+    """A step model scaled by the machine's speed during the served step under way at the simulated instant
+    (`clock`, the simulation's own: bound once the simulation that calls this exists)."""
+
+    def __init__(self, model: Callable[[SchedulerOutput], float], starts: list[float], speeds: list[float]) -> None:
+        self.model, self.starts, self.speeds = model, starts, speeds
+        self.clock: Callable[[], float] = lambda: 0.0
+
+    def __call__(self, output: SchedulerOutput) -> float:
+        if not self.speeds:
+            return self.model(output)
+        return self.speeds[max(0, bisect.bisect_right(self.starts, self.clock()) - 1)] * self.model(output)
+
+
+def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun, specs: list) -> Predictions:
+    """The workload through the simulator three ways: priced by the calibration, replaying the engine's own step
+    durations (the step model priced beside them), and priced at the machine's measured speed."""
+    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
+    if linears is not None:          # the profiled model itself: its linears as measured, by row count
+        params = calibration.measured_parameters
+    costs = profile_costs(profile["model"])
+    model = model_step_time(lambda batch: step_time(costs, peaks, params, batch, linears), costs.index_topk)
+    simulated = Simulation(run.config, model, record_steps=True).run(list(specs))
+    replay_step = replayed_step_time([s.duration_s for s in run.served.steps])
     modelled: list[tuple[str, float]] = []
 
     def replay_and_model(output: SchedulerOutput) -> float:
         modelled.append((regime_of(batch_shape(output)), model(output)))
         return replay_step(output)
 
-    replayed = Simulation(config, replay_and_model, record_steps=True).run(list(specs))
-    measured = summarize(served.timings)
-    predicted = simulated.report()
-
-    def drifted(output: SchedulerOutput) -> float:
-        """The model's step at the machine's speed of the served step under way at that instant."""
-        served_step = max(0, bisect.bisect_right(starts, corrected.env.now) - 1)
-        return speeds[served_step] * model(output) if speeds else model(output)
-
-    corrected = Simulation(config, drifted)
-    corrected_report = corrected.run(list(specs)).report()
-    metrics = {
-        "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, config.page_size),
-                                       llm.capacity_tokens),
-        "peak_concurrency": compared(predicted["max_concurrency_reached"], max(s.running for s in served.steps)),
-        "preemptions": compared(predicted["preemptions"], served.preemptions),
-        **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},
-    }
-    replay = {"preemptions": compared(replayed.preemptions, served.preemptions),
-              "same_batches": [s.batch for s in replayed.steps] == [s.batch for s in served.steps],
-              "steps": len(served.steps),
-              "step_model": step_model_errors(modelled, [s.duration_s for s in served.steps]),
-              "step_model_drift_corrected": step_model_errors(
-                  [(kind, speed * seconds) for (kind, seconds), speed in zip(modelled, speeds)],
-                  [s.duration_s for s in served.steps])}
-    machine = {**probes.report(speeds), "cpu_steal_pct": steal,
-               "metrics_drift_corrected": {name: compared(corrected_report[name], measured[name])
-                                           for name in TIMING_METRICS}}
-    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
-            "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
-            "engine": {"kv_cache_gib": kv_cache_gib, "max_num_seqs": max_num_seqs,
-                       "max_num_batched_tokens": max_num_batched_tokens, "capacity_tokens": llm.capacity_tokens}}
+    replayed = Simulation(run.config, replay_and_model, record_steps=True).run(list(specs))
+    at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
+    corrected = Simulation(run.config, at_served_speed)
+    at_served_speed.clock = lambda: corrected.env.now
+    return Predictions(simulated.report(), replayed, modelled, corrected.run(list(specs)).report())
 
 
 def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
