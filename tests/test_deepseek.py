@@ -243,7 +243,7 @@ def test_each_rank_holds_the_planners_bytes_per_gpu_under_expert_parallelism(dee
     from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu
 
     folder, _, _, _ = deepseek
-    from engine.harness.profiler import model_section
+    from engine.harness.fingerprint import model_section
     from planner.calibration.profile_fit import profile_costs
 
     with engine(folder, weights="bf16", kv_dtype="bf16", tensor_parallel=2, expert_parallel=True,
