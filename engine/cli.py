@@ -33,6 +33,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                              "NCCL on GPUs 0..N-1)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="deal the routed experts out whole over the --tensor-parallel ranks")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="recompute every prompt instead of reusing the KV pages of a prefix computed before")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -97,7 +99,8 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
     return EngineConfig(model=args.model, weights=args.weights, kv_dtype=args.kv_dtype, page_size=args.page_size,
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
                         num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
-                        tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel, **extra)
+                        tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
+                        enable_prefix_caching=args.prefix_caching, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:

@@ -38,6 +38,7 @@ class RequestOutput:
     text: str
     finish_reason: str
     num_preemptions: int
+    num_cached_tokens: int = 0          # prompt tokens a prefix-cache hit supplied (OpenAI's `cached_tokens`)
 
 
 def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int) -> list[int]:
@@ -82,8 +83,8 @@ class LLM:
         self.scheduler_config = SchedulerConfig(
             num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill)
-        self.block_manager = BlockManager(num_pages, config.page_size)
+            enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, config.page_size, self.device)
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
@@ -92,6 +93,7 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
                                   self.integrity)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
+        self.integrity_detections = 0       # refused cache hits (`_report_refused_hits`); aborts are counted apart
         if self.kv_cache.is_fp8:
             self.calibrate_kv_scales()
 
@@ -166,17 +168,21 @@ class LLM:
             raise RequestError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of "
                                f"{self.capacity_tokens} tokens")
 
-    def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     cache_salt: str | None = None) -> Sequence:
         """A validated request, not queued yet: a server validates in its handler and queues between steps.
-        A bad one raises RequestError."""
+        A bad one raises RequestError. Requests share cached KV pages only with requests of the same
+        `cache_salt` (None: the unsalted ones)."""
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
         self._validate(token_ids, params.max_tokens)
-        return Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter())
+        return Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter(),
+                        cache_salt=cache_salt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> int:
         """Validates and queues a request; a bad one raises RequestError and changes nothing."""
-        seq = self.new_sequence(prompt, params)
+        seq = self.new_sequence(prompt, params, cache_salt)
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -210,6 +216,8 @@ class LLM:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
         output = self.scheduler.schedule()
         self.last_output = output
+        if self.block_manager.refused_hits:
+            self._report_refused_hits()
         aborted = [] if self.integrity is None else self._enforce_integrity(output)
         if output.is_empty:
             return aborted
@@ -219,6 +227,14 @@ class LLM:
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _report_refused_hits(self) -> None:
+        """Cache hits refused because the page was not what its hash promised: the request computed that part of
+        its prompt itself, so nobody was harmed."""
+        refused, self.block_manager.refused_hits = self.block_manager.refused_hits, []
+        for page, why in refused:
+            log.error("integrity violation: a prefix-cache hit on page %d was refused: %s", page, why)
+        self.integrity_detections += len(refused)
 
     def _enforce_integrity(self, output: SchedulerOutput) -> list[RequestOutput]:
         """Aborts, before the step runs, every request whose pages fail a check; the others go on."""
@@ -250,7 +266,7 @@ class LLM:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         reason = (seq.finish_reason or FinishReason.ABORT).value
         return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, reason,
-                             seq.num_preemptions)
+                             seq.num_preemptions, seq.num_cached_tokens or 0)
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

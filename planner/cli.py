@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment_options(plan)
     plan.add_argument("--weights", default="native", help="bf16|fp8|int4|nvfp4 (Blackwell)|native")
     plan.add_argument("--kv", default="fp8", help="bf16|fp8|nvfp4 (Blackwell)")
+    plan.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                      help="a system prompt every request opens with: its pages are held once (prefix caching)")
 
     compare = commands.add_parser("compare", help="several weight/KV dtype configurations side by side")
     _deployment_options(compare)
@@ -73,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--kv", default="fp8", help="bf16|fp8|nvfp4 (Blackwell)")
     _workload_options(simulate, requests=1000, prompt="1024", output="256")
     simulate.add_argument("--users", type=int, default=None, help="closed loop: concurrent users")
-    simulate.add_argument("--think-time", type=float, default=0.0, help="closed loop: seconds between requests")
     simulate.add_argument("--router", default="least-loaded", help="round-robin or least-loaded")
     simulate.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
     simulate.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--prompt-tokens", default=None, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA (overrides)")
     search.add_argument("--output-tokens", default=None, help="as --prompt-tokens")
     search.add_argument("--requests", type=int, default=200, help="requests each simulation runs")
+    _prefix_options(search)
     search.add_argument("--seed", type=int, default=0)
     search.add_argument("--hardware", default="h100-sxm,h200,b200", help="comma-separated GPU kinds")
     search.add_argument("--max-gpus", type=int, default=8, help="largest tensor-parallel group (powers of two)")
@@ -134,6 +136,17 @@ def _workload_options(parser: argparse.ArgumentParser, requests: int, prompt: st
     parser.add_argument("--prompt-tokens", default=prompt, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA")
     parser.add_argument("--output-tokens", default=output, help="N, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA")
     parser.add_argument("--seed", type=int, default=0)
+    _prefix_options(parser)
+
+
+def _prefix_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                        help="a system prompt of this many tokens every conversation opens with")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="requests per conversation: each turn's prompt is the conversation so far plus a new "
+                             "message of --prompt-tokens (--rate stays requests per second)")
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="seconds between a request's end and its user's next one (closed loop, next turn)")
 
 
 def cmd_verify(args: argparse.Namespace) -> None:
@@ -142,7 +155,8 @@ def cmd_verify(args: argparse.Namespace) -> None:
 
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, prompt=LengthDistribution.parse(args.prompt_tokens),
-                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
+                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed,
+                        think_time_s=args.think_time, shared_prefix_tokens=args.shared_prefix, turns=args.turns)
     if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
         raise PlannerError(f"--kv-cache-gib must be positive, got {args.kv_cache_gib!r}")
     if (args.profile is None) == (args.endpoint is None):
@@ -204,6 +218,8 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                         help="decode steps in CUDA graphs (default: the catalogue's; off: every kernel launched)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="the engine recomputes every prompt (default: it reuses cached prefix pages)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -215,7 +231,8 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       tensor_parallel=args.tp, expert_parallel=args.expert_parallel,
                       attention_data_parallel=args.attention_dp, utilization=args.utilization,
                       max_num_seqs=args.max_num_seqs, calibration=args.calibration,
-                      cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
+                      cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
+                      prefix_caching=args.prefix_caching)
 
 
 def _pm(bars: dict[str, float | None], figure: str) -> str:
@@ -232,6 +249,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     result = evaluate(_deployment(args, args.weights, args.kv))
     summary = result.summary()
+    if args.shared_prefix:
+        summary["shared_prefix_tokens"] = args.shared_prefix
+        summary["max_concurrency_shared_prefix"] = result.plan.max_concurrency(
+            min(args.context, result.plan.max_position_embeddings),
+            args.shared_prefix if args.prefix_caching else 0)
     if args.json:
         print(json.dumps(summary))
         return
@@ -243,7 +265,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     lines += ["", f"  {'KV bytes per token':22s} {summary['kv_bytes_per_token_per_gpu']}",
               f"  {'KV capacity':22s} {summary['kv_capacity_tokens']} tokens",
               f"  {'max context':22s} {summary['max_context_tokens']} tokens (limited by {plan.max_context_reason})",
-              f"  {'max concurrency':22s} {summary['max_concurrency']} requests of {args.context} tokens",
+              f"  {'max concurrency':22s} {summary['max_concurrency']} requests of {args.context} tokens"
+              + (f", {summary['max_concurrency_shared_prefix']} when they share a {args.shared_prefix}-token prefix"
+                 if args.shared_prefix else ""),
               f"  {'decode':22s} {summary['decode_tokens_per_s']:.1f} tokens/s{_pm(bars, 'decode_tokens_per_s')} "
               f"(single stream {result.single_stream_tokens_per_s:.1f}"
               f"{_pm(bars, 'single_stream_decode_tokens_per_s')})",
@@ -347,7 +371,7 @@ def _calibrate_benchmarks(args: argparse.Namespace, out: Path) -> None:
 
 SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                  "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached", "preemptions",
-                 "kv_utilization_peak", "sim_wall_s")
+                 "kv_utilization_peak", "prefix_cache_hit_rate", "cached_tokens_per_request", "sim_wall_s")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -358,7 +382,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     workload = Workload(arrival=args.workload, num_requests=args.requests, rate=args.rate,
                         burstiness=args.burstiness, users=args.users, think_time_s=args.think_time,
                         prompt=LengthDistribution.parse(args.prompt_tokens),
-                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed)
+                        output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed,
+                        shared_prefix_tokens=args.shared_prefix, turns=args.turns)
     deployment = _deployment(args, args.weights, args.kv)
     result = simulate(deployment, workload, args.router, progress=not args.json)
     report = result.report(args.slo_ttft, args.slo_tpot)
@@ -383,6 +408,8 @@ def _csv(text: str, convert=str) -> tuple:
 
 
 def cmd_search(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     from planner.search.deployments import (
         DEFAULT_KV,
         DEFAULT_WEIGHTS,
@@ -406,9 +433,10 @@ def cmd_search(args: argparse.Namespace) -> None:
                         _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
                         explicit_formats=bool(args.weights or args.kv))
     cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
-    workload = preset_workload(args.workload, args.requests, args.seed,
-                               LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
-                               LengthDistribution.parse(args.output_tokens) if args.output_tokens else None)
+    workload = replace(preset_workload(args.workload, args.requests, args.seed,
+                                       LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
+                                       LengthDistribution.parse(args.output_tokens) if args.output_tokens else None),
+                       shared_prefix_tokens=args.shared_prefix, turns=args.turns, think_time_s=args.think_time)
     result = run_search(space, workload, slo, f"ray:{args.ray}" if args.ray else "local", args.workers, cache,
                         progress=not args.json)
     fleet = cheapest_fleet(result.ranked, args.target_rate) if args.target_rate is not None else None

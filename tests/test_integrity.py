@@ -15,7 +15,7 @@ from engine.core.memory import KVLayout
 from engine.core.scheduler import ScheduledSequence
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.executor.integrity import IntegrityChecker, page_checksums
-from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, run_trial
+from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, SHARING_FAULTS, run_trial
 from engine.llm import LLM
 from engine.model.kv_cache import PagedKVCache
 
@@ -104,8 +104,9 @@ def workload(english_prompts):
                              for _ in english_prompts]
 
 
-def campaign_engine(mode: str, kv_dtype: str | None = None) -> LLM:
-    return LLM(model="smollm2-135m", device="cpu", page_size=8, num_pages=400, integrity=mode, kv_dtype=kv_dtype)
+def campaign_engine(mode: str, kv_dtype: str | None = None, max_num_batched_tokens: int = 2048) -> LLM:
+    return LLM(model="smollm2-135m", device="cpu", page_size=8, num_pages=400, integrity=mode, kv_dtype=kv_dtype,
+               max_num_batched_tokens=max_num_batched_tokens)
 
 
 def test_ownership_mode_catches_every_bookkeeping_fault(workload):
@@ -143,14 +144,14 @@ def test_off_mode_keeps_checks_off_the_hot_path(workload, monkeypatch):
 
 def test_breaking_the_ownership_update_breaks_detection(workload, monkeypatch):
     """The checks cannot pass vacuously: a block manager that stops reporting frees lets faults through."""
-    def release_silently(self, pages):
-        for page in pages:
-            if self._ref_counts[page] <= 0:
-                continue
-            self._ref_counts[page] -= 1
-            if self._ref_counts[page] == 0:
-                self._epochs[page] += 1
-                self._free.append(page)
+    release = BlockManager._release
+
+    def release_silently(self, pages, seq_id):
+        guard, self.guard = self.guard, None
+        try:
+            release(self, pages, seq_id)
+        finally:
+            self.guard = guard
 
     monkeypatch.setattr(BlockManager, "_release", release_silently)
     llm = campaign_engine("ownership")
@@ -165,3 +166,23 @@ def test_cli_generate_takes_integrity_mode():
     assert '"completion_tokens": 4' in result.stdout
     bad = run_cli("generate", "--prompt", "x", "--integrity", "paranoid")
     assert bad.returncode == 2 and "paranoid" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def shared_workload(english_prompts):
+    """8 requests opening with the same 20-token system prompt (2 full pages of 8 shared), then their own."""
+    system = list(range(300, 320))
+    rng = random.Random(11)
+    prompts = [system + prompt for prompt in english_prompts[:8]]
+    return prompts, [SamplingParams(max_tokens=rng.randrange(6, 12), ignore_eos=True) for _ in prompts]
+
+
+@pytest.mark.parametrize("mode", ["ownership", "full"])
+def test_the_campaign_with_shared_pages(shared_workload, mode):
+    """Every fault, classic or of sharing, on requests that share cached pages: all detected, no one else
+    harmed, no page leaked. A small token budget admits the requests over several steps, so that the later ones
+    find the earlier ones' pages published in every trial (pages a fault touched are quarantined, not reused)."""
+    llm = campaign_engine(mode, max_num_batched_tokens=48)
+    kinds = SHARING_FAULTS + (OWNERSHIP_FAULTS[:4] if mode == "ownership" else ("bit_flip",))
+    assert_campaign_detects(llm, shared_workload, kinds, TRIALS, seed=5)
+    llm.block_manager.check_invariants()

@@ -315,3 +315,29 @@ def test_serve_cli_refuses_bad_flags_in_one_line():
     result = run_cli("serve", "--port", "70000")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "70000" in result.stderr
+
+
+def test_cache_salt_separates_tenants(served):
+    """The same prompt: a second request of one tenant finds its pages cached (OpenAI's `cached_tokens`), another
+    tenant's does not, and the tokens are the same either way; /metrics counts the queries and hits."""
+    prompt = " ".join(["Tenant isolation matters for prefix caches shared by many users."] * 4)
+    before = metrics(served)
+    usages, texts = {}, set()
+    for name, salt in [("a", "tenant-a"), ("a again", "tenant-a"), ("b", "tenant-b")]:
+        result = client(served).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                                   extra_body={"cache_salt": salt, "ignore_eos": True})
+        usages[name] = result.usage
+        texts.add(result.choices[0].text)
+    page_size = served["llm"].block_manager.page_size
+    full_pages = (usages["a"].prompt_tokens - 1) // page_size * page_size
+    assert usages["a"].prompt_tokens_details.cached_tokens == 0
+    assert usages["a again"].prompt_tokens_details.cached_tokens == full_pages > 0
+    assert usages["b"].prompt_tokens_details.cached_tokens == 0
+    assert len(texts) == 1
+    after = wait_idle(served)
+    assert after["kvplan_prefix_cache_hits_total"] - before["kvplan_prefix_cache_hits_total"] == full_pages
+    assert after["kvplan_prefix_cache_queries_total"] - before["kvplan_prefix_cache_queries_total"] \
+        == 3 * usages["a"].prompt_tokens
+    assert after["kvplan_kv_pages_cached"] > 0 and after["kvplan_kv_pages_used"] == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client(served).completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})

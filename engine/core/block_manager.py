@@ -13,16 +13,27 @@ Every mutating method has a paired `can_*` that says whether it would succeed; c
 its `can_*` is false is a bug of the caller and raises `OutOfPages`. Pages carry reference counts and go
 back to the free list when the count drops to zero.
 
+With prefix caching, a page that fills up is published under its chained hash (`engine.core.prefix_cache`),
+and a request whose prompt starts with the same tokens (and salt) is given that page instead of computing it:
+
+    seq 7: "You are ... (page A) | (page B) | Hi"      table [A, B, 4]      A, B published, read-only
+    seq 9: "You are ... (page A) | (page B) | Hey"     table [A, B, 6]      A, B shared: reference count 2
+
+A published page nobody holds any more stays published, in an LRU of evictable pages; a request's pages enter it
+tail first, so a prompt's last pages go before its first ones. The pool takes fresh free pages first and evicts
+the least recently used published page only when none is left: the free pages are the free list plus the LRU.
+
 For the integrity checks (`engine.executor.integrity`) every page also has an epoch that changes each time it is
 freed; a block table records the epoch at which it got each page (its lease), and an optional
 `PageGuard` hears of every grant and release, so that a table that still names a page after its
-release, or a page of someone else, can be told from a valid one. With a guard, freeing a table releases
-the pages the guard says the sequence holds and quarantines the entries it rejects: quarantined pages
-never go back to the free list.
+release, or a page of someone else, can be told from a valid one. The guard also hears when a sequence starts
+or stops holding a published page (`shared`, `unshared`): such pages have several readers and no writer. With
+a guard, freeing a table releases the pages the guard says the sequence holds and quarantines the entries it
+rejects: quarantined pages never go back to the free list (nor stay published).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -32,7 +43,17 @@ from engine.core.memory import pages_for_tokens
 class PageGuard(Protocol):
     def granted(self, seq_id: int, page: int, epoch: int) -> None: ...
 
+    def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
+        """`seq_id` holds the published (read-only) page: it published it, or a cache hit gave it to it. A
+        published page sits at the same `position` of every table that holds it (its page number in the tokens)."""
+
+    def unshared(self, seq_id: int, page: int) -> None:
+        """`seq_id` let go of a published page that others still hold."""
+
     def released(self, page: int, epoch: int) -> None: ...
+
+    def vet(self, pages: list[int]) -> int:
+        """How many of the published pages, from the first, are sound to hand to a new holder."""
 
     def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
         """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
@@ -93,12 +114,19 @@ class FreePages:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_caching = enable_prefix_caching
         self._free = FreePages(num_pages)
+        self._published: dict[bytes, int] = {}              # page hash -> page
+        self._names: dict[int, tuple[bytes, bytes]] = {}    # published page -> (its hash, its token key)
+        self._evictable: OrderedDict[int, None] = OrderedDict()     # published, held by none; LRU first
+        self._num_published: dict[int, int] = {}            # pages of a table published (or found) so far
+        self.evictions = 0
+        self.refused_hits: list[tuple[int, str]] = []      # (page, why) of cache hits refused, for the engine
         self._ref_counts = [0] * num_pages
         self._tables: dict[int, list[int]] = {}
         self._leases: dict[int, list[int]] = {}     # epoch of each page of a table when it was granted
@@ -109,11 +137,23 @@ class BlockManager:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a request can be given: the free list and the published pages nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - len(self._free) - len(self._evictable)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Published pages, held or not."""
+        return len(self._names)
+
+    def is_published(self, page: int) -> bool:
+        return page in self._names
+
+    def num_published(self, seq_id: int) -> int:
+        return self._num_published.get(seq_id, 0)
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables[seq_id])
@@ -136,22 +176,115 @@ class BlockManager:
             return -(-num_new_tokens // self.page_size)
         return -(-(self._num_slots[seq_id] + num_new_tokens) // self.page_size) - len(table)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return pages_for_tokens(num_tokens, self.page_size) <= len(self._free)
+    def cached_prefix(self, hashes: list[bytes], keys: list[bytes], count: int) -> list[int]:
+        """The published pages of the longest run of the first `count` page hashes, each confirmed against its
+        stored tokens: a page whose tokens differ (a collision, or a corrupted index) is no hit; its index entry
+        is dropped and the page reported in `refused_hits`."""
+        pages, published, names = [], self._published, self._names
+        for index in range(count):
+            page = published.get(hashes[index])
+            if page is None:
+                break
+            if names[page][1] != keys[index]:
+                self._drop_index(hashes[index], page)
+                break
+            pages.append(page)
+        return pages
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Gives a sequence without pages enough pages for its first `num_tokens` tokens."""
+    def _drop_index(self, page_hash: bytes, page: int) -> None:
+        del self._published[page_hash]
+        self.refused_hits.append((page, "it does not hold the tokens of its hash"))
+        if self._names[page][0] == page_hash:       # the page's own name is wrong: it is published no more
+            self._unpublish(page)
+
+    def _unpublish(self, page: int) -> None:
+        page_hash, _ = self._names.pop(page)
+        if self._published.get(page_hash) == page:
+            del self._published[page_hash]
+        if page in self._evictable:
+            del self._evictable[page]
+            if page not in self.quarantined:
+                self._free.append(page)
+
+    def vet(self, cached: list[int]) -> int:
+        """How many of the `cached` pages, from the first, the guard vouches for (all without a guard); the first
+        it refuses (its bytes no longer match their checksum) is quarantined and reported in `refused_hits`."""
+        if self.guard is None or not cached:
+            return len(cached)
+        sound = self.guard.vet(cached)
+        if sound < len(cached):
+            self.quarantine([cached[sound]])
+            self.refused_hits.append((cached[sound], "its bytes fail their checksum"))
+        return sound
+
+    def _reusable(self, cached: list[int]) -> int:
+        """Free pages left once the cached pages (some of which may be evictable) are taken."""
+        return self.num_free_pages - sum(1 for page in cached if self._ref_counts[page] == 0)
+
+    def can_allocate(self, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Whether a sequence can start with the `cached` pages and slots for `num_tokens` more tokens."""
+        return pages_for_tokens(len(cached) * self.page_size + num_tokens, self.page_size) - len(cached) \
+            <= (self._reusable(cached) if cached else self.num_free_pages)
+
+    def allocate(self, seq_id: int, num_tokens: int, cached: list[int] = ()) -> list[int]:
+        """Gives a sequence without pages the `cached` pages (a prefix-cache hit, shared) and enough new pages
+        for `num_tokens` more tokens; returns the new pages."""
         if seq_id in self._tables:
             raise OutOfPages(f"sequence {seq_id} already holds pages")
-        if not self.can_allocate(num_tokens):
-            raise OutOfPages(f"{num_tokens} tokens need more than the {len(self._free)} free pages")
+        if not self.can_allocate(num_tokens, cached):
+            raise OutOfPages(f"{num_tokens} tokens need more than the {self.num_free_pages} free pages")
         self._tables[seq_id] = []
         self._leases[seq_id] = []
-        self._num_slots[seq_id] = 0
+        self._num_slots[seq_id] = len(cached) * self.page_size
+        if self.prefix_caching:
+            self._num_published[seq_id] = len(cached)
+        if cached:
+            self._share(seq_id, cached)
         return self.append(seq_id, num_tokens)
 
+    def _share(self, seq_id: int, pages: list[int]) -> None:
+        counts, epochs, guard = self._ref_counts, self._epochs, self.guard
+        for page in pages:
+            if counts[page] == 0:
+                del self._evictable[page]
+            counts[page] += 1
+            table = self._tables[seq_id]
+            if guard is not None:
+                guard.shared(seq_id, page, epochs[page], len(table))
+            table.append(page)
+            self._leases[seq_id].append(epochs[page])
+
+    def publish(self, seq_id: int, hashes: list[bytes], keys: list[bytes], num_full: int) -> None:
+        """Publishes the sequence's pages up to its `num_full`-th, now full of computed tokens, under their hashes;
+        a page whose hash is published already (the same prefix computed twice at once) stays private."""
+        start = self._num_published[seq_id]
+        table, published, names = self._tables[seq_id], self._published, self._names
+        for index in range(start, min(num_full, len(table))):
+            page, page_hash = table[index], hashes[index]
+            if page_hash in published or page in names or page in self.quarantined:
+                continue
+            published[page_hash] = page
+            names[page] = (page_hash, keys[index])
+            if self.guard is not None:
+                self.guard.shared(seq_id, page, self._epochs[page], index)
+        self._num_published[seq_id] = max(start, num_full)
+
+    def _take(self, count: int) -> list[int]:
+        """`count` pages for new tokens: free ones first, then the least recently used published ones nobody
+        holds (evicted: unpublished)."""
+        fresh = min(count, len(self._free))
+        pages = self._free.take(fresh) if fresh else []
+        for _ in range(count - fresh):
+            page, _ = self._evictable.popitem(last=False)
+            page_hash, _ = self._names.pop(page)
+            if self._published.get(page_hash) == page:
+                del self._published[page_hash]
+            self.evictions += 1
+            pages.append(page)
+        return pages
+
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self._new_pages_needed(seq_id, num_new_tokens) <= len(self._free)
+        return self._new_pages_needed(seq_id, num_new_tokens) <= self.num_free_pages
 
     def append(self, seq_id: int, num_new_tokens: int) -> list[int]:
         """Reserves slots for `num_new_tokens` more tokens; returns the pages that had to be added."""
@@ -159,9 +292,9 @@ class BlockManager:
         if needed == 0:                     # the common decode step: room left in the last page
             self._num_slots[seq_id] += num_new_tokens
             return []
-        if needed > len(self._free):
-            raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {len(self._free)} are free")
-        new_pages = self._free.take(needed)
+        if needed > self.num_free_pages:
+            raise OutOfPages(f"sequence {seq_id} needs {needed} pages, {self.num_free_pages} are free")
+        new_pages = self._take(needed)
         self._grant(seq_id, new_pages)
         self._num_slots[seq_id] += num_new_tokens
         return new_pages
@@ -171,9 +304,9 @@ class BlockManager:
         when the free pages cannot take the ones whose last page is full. The decode step's fast path."""
         slots, page_size = self._num_slots, self.page_size
         full = [seq_id for seq_id in seq_ids if slots[seq_id] % page_size == 0]
-        if len(full) > len(self._free):
+        if len(full) > self.num_free_pages:
             return False
-        for seq_id, page in zip(full, self._free.take(len(full))):
+        for seq_id, page in zip(full, self._take(len(full))):
             self._grant(seq_id, [page])
         for seq_id in seq_ids:
             slots[seq_id] += 1
@@ -187,9 +320,9 @@ class BlockManager:
     def append_many(self, seq_ids: list[int], num_tokens: int) -> None:
         """`num_tokens` more slots for each sequence at once (the caller checked `pages_for_more`): what that
         many decode steps reserve, with the same page counts (not the same page ids)."""
-        if self.pages_for_more(seq_ids, num_tokens) > len(self._free):
+        if self.pages_for_more(seq_ids, num_tokens) > self.num_free_pages:
             raise OutOfPages(f"{num_tokens} more slots for {len(seq_ids)} sequences need more than the "
-                             f"{len(self._free)} free pages")
+                             f"{self.num_free_pages} free pages")
         for seq_id in seq_ids:
             self.append(seq_id, num_tokens)
 
@@ -203,11 +336,11 @@ class BlockManager:
             for page in pages:
                 self.guard.granted(seq_id, page, epochs[page])
 
-    def _release(self, pages: list[int]) -> None:
-        """One reference less on each of the pages; a page no one holds any more is free again (unless
-        quarantined), in a new epoch."""
-        counts, epochs, guard, quarantined, free = (self._ref_counts, self._epochs, self.guard, self.quarantined,
-                                                    self._free)
+    def _release(self, pages: list[int], seq_id: int | None) -> None:
+        """One reference less (`seq_id`'s) on each of the pages; a page no one holds any more is free again
+        (unless quarantined), in a new epoch: back on the free list, or, published, at the end of the LRU."""
+        counts, epochs, guard, quarantined, names = (self._ref_counts, self._epochs, self.guard, self.quarantined,
+                                                     self._names)
         for page in pages:
             if counts[page] <= 0:
                 continue
@@ -216,24 +349,37 @@ class BlockManager:
                 epochs[page] += 1
                 if guard is not None:
                     guard.released(page, epochs[page])
-                if page not in quarantined:
-                    free.append(page)
+                if page in quarantined:
+                    continue
+                if page in names:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+            elif page in names and guard is not None and seq_id is not None:
+                guard.unshared(seq_id, page)
 
     def free(self, seq_id: int) -> None:
-        """Releases all pages of a sequence; a sequence without pages is a no-op."""
+        """Releases all pages of a sequence (with prefix caching its last first: they leave the cache first); a
+        sequence without pages is a no-op. Published pages others hold stay theirs."""
         table = self._tables.pop(seq_id, [])
         leases = self._leases.pop(seq_id, [])
         self._num_slots.pop(seq_id, None)
+        self._num_published.pop(seq_id, None)
         if self.guard is not None and table:
-            table, suspects = self.guard.audit(seq_id, table, leases)
+            held, suspects = self.guard.audit(seq_id, table, leases)
             self.quarantine(suspects)
-        self._release(table)
+            named, kept = set(table), set(held)
+            table = [page for page in table if page in kept] + [page for page in held if page not in named]
+        self._release(table[::-1] if self.prefix_caching else table, seq_id)
 
     def quarantine(self, pages: list[int]) -> None:
-        """Takes pages out of circulation: whoever holds one keeps it, but it never returns to the free list."""
+        """Takes pages out of circulation: whoever holds one keeps it, but it is published no more and never
+        returns to the free list."""
         for page in pages:
             if 0 <= page < self.num_pages and page not in self.quarantined:
                 self.quarantined.add(page)
+                if page in self._names:
+                    self._unpublish(page)
                 if page in self._free:
                     self._free.remove(page)
 
@@ -245,17 +391,43 @@ class BlockManager:
         return self._tables[seq_id]
 
     def fault_release(self, page: int) -> None:
-        """Frees a page its holder still names (a use-after-free bug)."""
-        self._release([page])
+        """Frees a page its holders still name, however many they are (a use-after-free bug)."""
+        self._ref_counts[page] = min(self._ref_counts[page], 1)
+        self._release([page], None)
 
     def fault_grant(self, seq_id: int, page: int) -> None:
         """Hands a page another sequence holds to `seq_id` as well (a double-allocation bug)."""
         self._grant(seq_id, [page])
 
+    def fault_publish(self, seq_id: int) -> int:
+        """Publishes the page the sequence is still writing into (a bug in telling a full page): returns it."""
+        page = self._tables[seq_id][-1]
+        page_hash = bytes(32 - len(str(page))) + str(page).encode()
+        self._published[page_hash] = page
+        self._names[page] = (page_hash, b"")
+        if self.guard is not None:
+            self.guard.shared(seq_id, page, self._epochs[page], len(self._tables[seq_id]) - 1)
+        return page
+
+    def fault_collide(self, page_hash: bytes, page: int) -> None:
+        """Points a published hash at another published page (a hash collision, or a corrupted index)."""
+        self._published[page_hash] = page
+
+    def published_hashes(self) -> dict[bytes, int]:
+        """Hash -> page of every published page; for tests and fault injection."""
+        return dict(self._published)
+
     def check_invariants(self) -> None:
         """Raises AssertionError if the accounting is inconsistent; for tests and debugging."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not free & set(self._evictable), "a page is both free and evictable"
+        for page in self._published.values():
+            assert page in self._names, f"published page {page} has no name"
+            assert page not in free, f"published page {page} is on the free list"
+        for page in self._evictable:
+            assert self._ref_counts[page] == 0 and page in self._names, f"evictable page {page} is held or unnamed"
+        free |= set(self._evictable)
         held: dict[int, int] = {}
         for seq_id, table in self._tables.items():
             assert len(table) == pages_for_tokens(self._num_slots[seq_id], self.page_size), \

@@ -32,6 +32,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False     # the simulator's default: its requests' tokens carry no identity
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -66,6 +67,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     integrity: str = "ownership"
     integrity_sample_pages: int = 0         # sealed pages verified per step in `full` mode; 0 = all
     seed: int = 0
@@ -101,6 +103,8 @@ class EngineConfig:
         for name in ("num_threads", "num_layers", "num_experts"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        _require(isinstance(self.enable_prefix_caching, bool),
+                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require(isinstance(self.expert_parallel, bool),
                  f"expert_parallel must be true or false, got {self.expert_parallel!r}")
         _require(self.kv_cache_gib is None or self.kv_cache_gib > 0,

@@ -22,6 +22,7 @@ class RequestTiming:
     first_token_s: float | None = None
     finish_s: float | None = None
     preemptions: int = 0
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache at admission
 
     @property
     def ttft_s(self) -> float | None:

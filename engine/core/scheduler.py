@@ -12,6 +12,12 @@ the step produced. Each step spends a budget of `max_num_batched_tokens`:
    `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
 
 Prefill chunks and decodes share one step.
+
+With prefix caching (`SchedulerConfig.enable_prefix_caching`) a sequence is admitted with the published pages
+of its longest cached prefix (`BlockManager.cached_prefix`) and computes from its first uncached token; at least
+its last token is always computed, since that step samples the next one. After each step the pages that filled
+up are published (`update`). A preempted sequence releases its references; its published pages stay cached, so
+its recompute starts from whatever of them is still there.
 """
 from __future__ import annotations
 
@@ -87,10 +93,16 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None) -> None:
         self.config = config
-        self.block_manager = block_manager or BlockManager(config.num_pages, config.page_size)
+        self.block_manager = block_manager or BlockManager(config.num_pages, config.page_size,
+                                                           config.enable_prefix_caching)
+        if self.block_manager.prefix_caching != config.enable_prefix_caching:
+            raise ValueError("the block manager and the scheduler disagree on prefix caching")
+        self.prefix_caching = config.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0      # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hit_tokens = 0          # of them, found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -137,11 +149,20 @@ class Scheduler:
                 index += 1
 
         while not out.preempted:
-            num_new = self.admissible(budget)
-            if num_new is None:
+            admitted = self.admissible(budget)
+            if admitted is None:
                 break
+            num_new, cached = admitted
+            if manager.vet(cached) < len(cached):
+                continue            # a cached page failed its check and left the cache: look again
             seq = self.waiting.popleft()
-            self.block_manager.allocate(seq.seq_id, num_new)
+            manager.allocate(seq.seq_id, num_new, cached)
+            seq.num_computed_tokens = len(cached) * manager.page_size
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            if self.prefix_caching:
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
@@ -157,19 +178,42 @@ class Scheduler:
             count += 1
         return count
 
-    def admissible(self, budget: int) -> int | None:
-        """The tokens of the first waiting sequence that a step with `budget` tokens left would admit (its whole
-        prompt, or a chunk); None when it would admit none."""
+    def admissible(self, budget: int) -> tuple[int, list[int]] | None:
+        """What a step with `budget` tokens left would admit of the first waiting sequence: the tokens it would
+        compute (the rest of its prompt, or a chunk) and the cached pages it would start with; None when it
+        would admit none."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return None
-        num_new = self.waiting[0].num_uncomputed_tokens
+        seq = self.waiting[0]
+        cached = self.cached_pages(seq) if self.prefix_caching else []
+        num_new = seq.num_tokens - len(cached) * self.block_manager.page_size
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return None
             num_new = budget
-        return num_new if self.block_manager.can_allocate(num_new) else None
+        return (num_new, cached) if self.block_manager.can_allocate(num_new, cached) else None
+
+    def cached_pages(self, seq: Sequence) -> list[int]:
+        """The published pages a waiting sequence would start with: its longest cached prefix of full pages,
+        short of its last token."""
+        page_size = self.block_manager.page_size
+        count = (seq.num_tokens - 1) // page_size
+        hashes, keys = seq.page_names(count, page_size)
+        return self.block_manager.cached_prefix(hashes, keys, count)
+
+    def _publish(self, seq: Sequence, preempted: bool = False) -> None:
+        """Publishes the sequence's pages that its computed tokens have filled (`Sequence.publishes_eagerly`)."""
+        if not (seq.publishes_eagerly or preempted):
+            return
+        page_size = self.block_manager.page_size
+        full = seq.num_computed_tokens // page_size
+        if full > self.block_manager.num_published(seq.seq_id):
+            hashes, keys = seq.page_names(full, page_size)
+            self.block_manager.publish(seq.seq_id, hashes, keys, full)
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.prefix_caching:
+            self._publish(seq, preempted=True)
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -186,16 +230,22 @@ class Scheduler:
             seq.output_token_ids.extend([0] * steps)
             seq.num_tokens += steps
             seq.num_computed_tokens += steps
+            if self.prefix_caching:
+                self._publish(seq)
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int] | None) -> list[Sequence]:
         """Advances the scheduled sequences; `sampled` maps seq_id to its new token (None: token 0 for every
         one, as the simulator samples, where lengths alone end requests). Returns the finished."""
         finished = []
         max_model_len, done = self.config.max_model_len, SequenceStatus.FINISHED
+        publish = self._publish if self.prefix_caching else None
+        page_size = self.block_manager.page_size
         for seq in output.decodes:
             if seq.status is done:       # aborted between schedule and update
                 continue
             seq.num_computed_tokens += 1
+            if publish and seq.num_computed_tokens % page_size == 0:      # the decode filled a page
+                publish(seq)
             if seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
                 finished.append(seq)
         for item in output.chunks:
@@ -203,6 +253,8 @@ class Scheduler:
             if seq.status is done:
                 continue
             seq.num_computed_tokens = item.end
+            if publish:
+                publish(seq)
             if item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
                 finished.append(seq)
         if finished:

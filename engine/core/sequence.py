@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from engine.core.errors import RequestError
+from engine.core.prefix_cache import chain_hash, page_key, root_hash, validate_cache_salt
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,16 @@ _ids = itertools.count()
 
 
 class Sequence:
-    """One request. `num_computed_tokens` counts tokens whose KV is in the cache."""
+    """One request. `num_computed_tokens` counts tokens whose KV is in the cache; `num_cached_tokens` those of
+    them that a prefix-cache hit supplied when the request was first admitted (OpenAI's `cached_tokens`)."""
+
+    # With prefix caching its full pages are published as they fill. A request known to share no token with any
+    # other (the simulator's) publishes them only when it is preempted, the one time anyone could hit them.
+    publishes_eagerly = True
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float = 0.0,
-                 seq_id: int | None = None) -> None:
+                 seq_id: int | None = None, cache_salt: str | None = None) -> None:
         self.seq_id = next(_ids) if seq_id is None else seq_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -71,6 +77,25 @@ class Sequence:
         self.num_tokens = len(self.prompt_token_ids)        # prompt + output, kept as tokens are appended
         self._max_tokens = params.max_tokens
         self._stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
+        try:
+            self.cache_salt = validate_cache_salt(cache_salt)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
+        self.num_cached_tokens: int | None = None       # set at the first admission
+        self.page_hashes: list[bytes] = []              # names of its full pages so far (`page_names`)
+        self.page_keys: list[bytes] = []
+
+    def page_names(self, count: int, page_size: int) -> tuple[list[bytes], list[bytes]]:
+        """The chained hashes and token keys of its first `count` full pages (`engine.core.prefix_cache`),
+        computed once each."""
+        hashes, keys = self.page_hashes, self.page_keys
+        parent = hashes[-1] if hashes else root_hash(self.cache_salt)
+        for index in range(len(hashes), count):
+            key = page_key(self.token_ids_between(index * page_size, (index + 1) * page_size))
+            parent = chain_hash(parent, key)
+            keys.append(key)
+            hashes.append(parent)
+        return hashes, keys
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, prompt={self.num_prompt_tokens}, "

@@ -19,6 +19,14 @@ step), and, for FP8 pages, the per-(layer, head) scales compared with their trus
 A request whose check fails is aborted before the step (finish reason `integrity_error`); its suspect
 pages are quarantined and never return to the free pool; the others go on. Its pages are released
 according to the ownership table, not its (untrusted) block table.
+
+Prefix caching shares pages: a published page's owner is SHARED and its holders are a set (kept on the host,
+and on the device as sorted keys page·2³² + holder, so a table entry of a shared page is checked by one
+`isin`); a shared page also has a position, the same in every table that holds it (its page number in the
+tokens), so a holder's table cannot name it in the wrong place. Shared pages are read-only: a step that would write into a shared page, or into a sealed one, is a
+`shared_write` violation of its request. Their checksums are taken once, when they fill up, and verified on
+every read. A page released while others still hold it (`freed_held`) aborts its remaining holders: their
+context is gone.
 """
 from __future__ import annotations
 
@@ -36,8 +44,11 @@ from engine.model.kv_cache import PagedKVCache
 from engine.parallel.group import TensorGroup
 
 FREE = -1
+SHARED = -2
+HOLDER_SHIFT = 32
 CHECKSUM_CHUNK_PAGES = 64
-KIND_CODES = {"ownership": 1, "checksum": 2, "fp8_scale": 3}      # the agreement's encoding; the worst wins
+KIND_CODES = {"ownership": 1, "checksum": 2, "shared_write": 3, "freed_held": 4,
+              "fp8_scale": 5}       # the agreement's encoding; the worst wins
 KINDS = {code: kind for kind, code in KIND_CODES.items()}
 
 log = logging.getLogger("engine.executor.integrity")
@@ -48,7 +59,7 @@ class Violation:
     """One failed check. `page` is None for a corrupted FP8 scale, which concerns every page."""
 
     seq_id: int
-    kind: str                   # "ownership" | "checksum" | "fp8_scale"
+    kind: str                   # "ownership" | "checksum" | "shared_write" | "freed_held" | "fp8_scale"
     page: int | None
     expected_owner: int | None = None
     found_owner: int | None = None
@@ -65,6 +76,10 @@ class Violation:
                     f"{self.expected_epoch}, found owner {self.found_owner} epoch {self.found_epoch}{where}")
         if self.kind == "checksum":
             return f"request {self.seq_id}: sealed page {self.page} fails its checksum{where}"
+        if self.kind == "shared_write":
+            return f"request {self.seq_id}: the step would write into shared or sealed page {self.page}{where}"
+        if self.kind == "freed_held":
+            return f"request {self.seq_id}: page {self.page} was freed while it still held it{where}"
         return f"request {self.seq_id}: the FP8 KV scales differ from their trusted copy{where}"
 
 
@@ -116,6 +131,9 @@ class PageRecord:
         self.device = device
         self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
+        self.positions = torch.full((num_pages,), -1, dtype=torch.int64, device=device)     # of SHARED pages
+        self.shared_holders: dict[int, frozenset[int]] = {}     # page -> its holders, for SHARED pages
+        self._holder_keys: torch.Tensor | None = None           # sorted page·2³² + holder; None: to be made
         self.full = mode == "full"
         if self.full:
             page_bytes = [pool[0, 0].numel() * pool.element_size() for pool in kv_cache.pools]
@@ -128,45 +146,92 @@ class PageRecord:
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self.trust_scales()
 
-    def apply(self, updates: list[tuple[int, int, int]]) -> None:
-        """Writes (page, owner, epoch) updates in one go; a page whose owner changes is no longer sealed."""
+    def apply(self, updates: list[tuple[int, int, int, int, tuple[int, ...]]]) -> None:
+        """Writes (page, owner, epoch, position, holders) updates in one go: owner a sequence (exclusive), FREE,
+        or SHARED with its position and holders. A page granted to a sequence is no longer sealed (it will be written); a page freed or
+        shared keeps its seal and checksum (its bytes stay as they were)."""
         if not updates:
             return
-        values = torch.tensor(updates, dtype=torch.int64).to(self.device)
+        values = torch.tensor([update[:4] for update in updates], dtype=torch.int64).to(self.device)
         self.owners[values[:, 0]] = values[:, 1]
         self.epochs[values[:, 0]] = values[:, 2]
+        self.positions[values[:, 0]] = values[:, 3]
         if self.full:
-            self.sealed[values[:, 0]] = False
+            granted = values[:, 0][values[:, 1] >= 0]
+            self.sealed[granted] = False
+        for page, owner, _, _, holders in updates:
+            if owner == SHARED:
+                self.shared_holders[page] = frozenset(holders)
+            else:
+                self.shared_holders.pop(page, None)
+        self._holder_keys = None
 
     def holders(self) -> list[int]:
-        return torch.unique(self.owners[self.owners != FREE]).tolist()
+        exclusive = torch.unique(self.owners[self.owners >= 0]).tolist()
+        return sorted(set(exclusive).union(*self.shared_holders.values()))
 
-    def check_tables(self, tables: list[tuple[int, list[int], list[int]]]) -> list[Violation]:
-        """Checks (sequence, pages, leases) tables (and in `full` mode their sealed pages) before a step."""
+    def check_tables(self, tables: list[tuple[int, list[int], list[int]]],
+                     writes: list[tuple[int, int]] = ()) -> list[Violation]:
+        """Checks (sequence, pages, leases) tables (and in `full` mode their sealed pages) before a step, and the
+        (sequence, page) pairs the step writes into."""
         entries = self._entries(tables)
         bad = self._failing(entries)
         found = [self._ownership_violation(int(entries[1, i]), int(entries[0, i]), int(entries[2, i]))
                  for i in bad]
+        found += self._check_writes(writes)
         if self.full:
             found += self._verify_pages(entries, bad)
             found += self._verify_scales()
         return found
 
+    def _check_writes(self, writes: list[tuple[int, int]]) -> list[Violation]:
+        """Shared pages are read-only, and so are sealed ones: their checksums were taken."""
+        writes = [(seq_id, page) for seq_id, page in writes if 0 <= page < self.num_pages]
+        if not writes or (not self.shared_holders and not self.full):
+            return []
+        pages = torch.tensor([page for _, page in writes], dtype=torch.int64).to(self.device)
+        read_only = self.owners[pages] == SHARED
+        if self.full:
+            read_only |= self.sealed[pages]
+        if not bool(read_only.any()):
+            return []
+        return [Violation(writes[i][0], "shared_write", writes[i][1])
+                for i in torch.nonzero(read_only).flatten().tolist()]
+
     def _entries(self, tables: list[tuple[int, list[int], list[int]]]) -> torch.Tensor:
-        pages, owners, leases = [], [], []
+        """[4, n]: page, sequence, lease and position in its table of every entry."""
+        pages, owners, leases, positions = [], [], [], []
         for seq_id, table, table_leases in tables:
             pages.extend(table)
             leases.extend(table_leases)
             owners.extend([seq_id] * len(table))
-        return torch.tensor([pages, owners, leases], dtype=torch.int64).reshape(3, -1).to(self.device)
+            positions.extend(range(len(table)))
+        return torch.tensor([pages, owners, leases, positions], dtype=torch.int64).reshape(4, -1).to(self.device)
 
     def _failing(self, entries: torch.Tensor) -> list[int]:
         if entries.device.type == "cuda":
             from engine.kernels.ownership_check import ownership_check
         else:
             from engine.kernels.reference import ownership_check
-        bad = ownership_check(entries, self.owners, self.epochs)
-        return torch.nonzero(bad).flatten().tolist() if bool(bad.any()) else []
+        bad = ownership_check(entries[:3], self.owners, self.epochs)
+        if not bool(bad.any()):
+            return []
+        if self.shared_holders:
+            bad &= ~self._holds_shared(entries)
+        return torch.nonzero(bad).flatten().tolist()
+
+    def _holds_shared(self, entries: torch.Tensor) -> torch.Tensor:
+        """Entries naming a SHARED page at its epoch and position, of a sequence among its holders."""
+        pages, seq_ids, leases, positions = entries
+        in_range = (pages >= 0) & (pages < self.num_pages)
+        safe = torch.where(in_range, pages, 0)
+        if self._holder_keys is None:
+            keys = sorted((page << HOLDER_SHIFT) + holder for page, holders in self.shared_holders.items()
+                          for holder in holders)
+            self._holder_keys = torch.tensor(keys, dtype=torch.int64).to(self.device)
+        member = torch.isin((safe << HOLDER_SHIFT) + seq_ids, self._holder_keys)
+        return (in_range & (self.owners[safe] == SHARED) & (self.epochs[safe] == leases)
+                & (self.positions[safe] == positions) & member)
 
     def _ownership_violation(self, seq_id: int, page: int, lease: int) -> Violation:
         in_range = 0 <= page < self.num_pages
@@ -219,34 +284,77 @@ class IntegrityChecker(PageRecord):
                  sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
         super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
         self.block_manager = block_manager
-        self._pending: dict[int, tuple[int, int]] = {}
-        self._outbox: list[tuple[int, int, int]] | None = [] if tensor_parallel > 1 else None
+        self._pending: dict[int, tuple[int, int, int, tuple[int, ...]]] = {}
+        self._outbox: list[tuple[int, int, int, int, tuple[int, ...]]] | None = [] if tensor_parallel > 1 else None
+        self._sharing: dict[int, tuple[int, int, set[int]]] = {}    # shared page -> (epoch, position, holders)
+        self._shared_by: dict[int, set[int]] = {}               # sequence -> the shared pages it holds
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         block_manager.guard = self
 
     # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
     def granted(self, seq_id: int, page: int, epoch: int) -> None:
-        self._pending[page] = (seq_id, epoch)
+        self._drop_sharing(page)
+        self._pending[page] = (seq_id, epoch, -1, ())
+
+    def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
+        held_at, at, holders = self._sharing.get(page, (epoch, position, set()))
+        if (held_at, at) != (epoch, position):      # a new sharing of the page (or a bug placing it elsewhere)
+            holders = set()
+        holders.add(seq_id)
+        self._sharing[page] = (epoch, position, holders)
+        self._shared_by.setdefault(seq_id, set()).add(page)
+        self._pending[page] = (SHARED, epoch, position, tuple(holders))
+
+    def unshared(self, seq_id: int, page: int) -> None:
+        epoch, position, holders = self._sharing[page]
+        holders.discard(seq_id)
+        self._unlink(seq_id, page)
+        self._pending[page] = (SHARED, epoch, position, tuple(holders))
 
     def released(self, page: int, epoch: int) -> None:
-        self._pending[page] = (FREE, epoch)
+        holders = self._drop_sharing(page)
+        if len(holders) > 1:        # the last holder releases a shared page; several holders: a bug freed it
+            self.violations += [Violation(seq_id, "freed_held", page) for seq_id in sorted(holders)]
+        self._pending[page] = (FREE, epoch, -1, ())
+
+    def _drop_sharing(self, page: int) -> set[int]:
+        _, _, holders = self._sharing.pop(page, (0, 0, set()))
+        for seq_id in holders:
+            self._unlink(seq_id, page)
+        return holders
+
+    def _unlink(self, seq_id: int, page: int) -> None:
+        pages = self._shared_by.get(seq_id)
+        if pages is not None:
+            pages.discard(page)
+            if not pages:
+                del self._shared_by[seq_id]
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        updates = [(page, owner, epoch) for page, (owner, epoch) in self._pending.items()]
+        updates = [(page, *state) for page, state in self._pending.items()]
         self.apply(updates)
         if self._outbox is not None:
             self._outbox.extend(updates)
         self._pending.clear()
 
-    def take_updates(self) -> list[tuple[int, int, int]]:
+    def take_updates(self) -> list[tuple[int, int, int, int, tuple[int, ...]]]:
         """The record's changes since the last call, in order, for the other ranks' records."""
         self._flush()
         if self._outbox is None:
             return []
         updates, self._outbox = self._outbox, []
         return updates
+
+    def vet(self, pages: list[int]) -> int:
+        """Before a cache hit hands published pages to a new holder: in `full` mode, how many of them, from the
+        first, still match their checksums (a corrupted page is refused, not read); otherwise all."""
+        if not self.full:
+            return len(pages)
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        bad = self.sealed[index] & (page_checksums(self.kv_cache, index, self.weights) != self.checksums[index])
+        return int(torch.nonzero(bad).flatten()[0]) if bool(bad.any()) else len(pages)
 
     def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
         """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
@@ -263,8 +371,9 @@ class IntegrityChecker(PageRecord):
         return self.owners.tolist(), self.epochs.tolist()
 
     def owned_by(self, seq_id: int) -> list[int]:
+        """The pages the record says the sequence holds: its own, and the shared ones it holds."""
         self._flush()
-        return torch.nonzero(self.owners == seq_id).flatten().tolist()
+        return torch.nonzero(self.owners == seq_id).flatten().tolist() + sorted(self._shared_by.get(seq_id, ()))
 
     def take_violations(self) -> list[Violation]:
         found, self.violations = self.violations, []
@@ -275,10 +384,15 @@ class IntegrityChecker(PageRecord):
         return super().holders()
 
     def check(self, items: list[ScheduledSequence]) -> list[Violation]:
-        """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs."""
+        """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs, and the
+        pages it writes into."""
         self._flush()
-        return self.check_tables([(item.seq.seq_id, self.block_manager.block_table(item.seq.seq_id),
-                                   self.block_manager.leases(item.seq.seq_id)) for item in items])
+        manager, page_size = self.block_manager, self.block_manager.page_size
+        tables = [(item.seq.seq_id, manager.block_table(item.seq.seq_id), manager.leases(item.seq.seq_id))
+                  for item in items]
+        writes = [(seq_id, table[index]) for item, (seq_id, table, _) in zip(items, tables)
+                  for index in range(item.start // page_size, (item.end - 1) // page_size + 1) if index < len(table)]
+        return self.check_tables(tables, writes)
 
     def seal(self, items: list[ScheduledSequence]) -> None:
         """After a step's KV writes: seals the pages that became full in it."""

@@ -35,7 +35,8 @@ class StepPlan:
     check: bool = False                 # integrity on: every rank checks the tables before the forward pass
     seq_ids: list[int] = field(default_factory=list)                # by item
     leases: list[list[int]] = field(default_factory=list)           # by item, the epoch of each table entry
-    ownership_updates: list[tuple[int, int, int]] = field(default_factory=list)    # (page, owner, epoch)
+    # (page, owner, epoch, position and holders if shared)
+    ownership_updates: list[tuple[int, int, int, int, tuple[int, ...]]] = field(default_factory=list)
     worker_fault: WorkerFault | None = None
 
     @property
@@ -51,6 +52,11 @@ class StepPlan:
             return range(item, item + 1)
         row, tokens, _, _ = self.prefills[item - len(self.decode_tables)]
         return range(row, row + tokens)
+
+    def writes(self, page_size: int) -> list[tuple[int, int]]:
+        """(sequence, page) of every page the step writes into, by item."""
+        return [(seq_id, page) for item, seq_id in enumerate(self.seq_ids)
+                for page in dict.fromkeys(self.slots[row] // page_size for row in self.rows(item))]
 
     def filled_pages(self, page_size: int) -> list[int]:
         """The pages this step's writes complete (what integrity's `full` mode seals after it)."""

@@ -50,7 +50,8 @@ class ShardWorker:
             self.record.apply(plan.ownership_updates)
             if self.pending_fault is not None and strike(self.pending_fault, plan, self.record, self.kv_cache):
                 self.pending_fault = None
-            found = self.record.check_tables(list(zip(plan.seq_ids, plan.tables(), plan.leases)))
+            found = self.record.check_tables(list(zip(plan.seq_ids, plan.tables(), plan.leases)),
+                                            plan.writes(self.page_size))
             plan = plan.without(set(agree(self.group, plan, found)))
         forward_plan(self.model, self.kv_cache, plan, self.page_size, self.device)
         if plan.check:

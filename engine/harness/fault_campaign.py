@@ -9,6 +9,12 @@ bookkeeping (the block manager's tables, not the integrity record beside them) o
     page_out_of_range   a table entry names a page that does not exist
     bit_flip            one bit of a sealed (full) page's K or V bytes flips
     fp8_scale           an FP8 KV scale is overwritten (every page of its layer then reads wrong)
+    shared_write        the page a request is still writing into is published (a bug in telling a full page)
+    hash_collision      a published hash points at another page (a collision, or a corrupted index); a request
+                        with that prefix then arrives, and must compute it rather than read the wrong page
+    freed_held          a page several requests share is freed (a reference-count bug)
+
+A fault on a shared page concerns every request holding it: they are all its victims.
 
 Under tensor parallelism a fault can strike a worker rank instead (`inject(..., rank=r)`): rank 0 picks the
 victim and sends a `WorkerFault` with the next plan, and the worker `strike`s its own state: its record of
@@ -26,9 +32,11 @@ from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.executor.faults import WorkerFault
 from engine.llm import LLM
 
-FAULT_KINDS = ("use_after_free", "foreign_page", "double_allocation", "page_out_of_range", "bit_flip",
-               "fp8_scale")
-OWNERSHIP_FAULTS = FAULT_KINDS[:4]
+PAGE_FAULTS = ("use_after_free", "foreign_page", "double_allocation", "page_out_of_range", "bit_flip", "fp8_scale")
+SHARING_FAULTS = ("shared_write", "hash_collision", "freed_held")
+FAULT_KINDS = PAGE_FAULTS + SHARING_FAULTS
+OWNERSHIP_FAULTS = PAGE_FAULTS[:4] + SHARING_FAULTS
+WORKER_FAULTS = PAGE_FAULTS         # a worker rank's own state: its record, its plan's tables, its pool
 DETECTED_IN = {kind: ("ownership", "full") if kind in OWNERSHIP_FAULTS else ("full",) for kind in FAULT_KINDS}
 
 
@@ -38,6 +46,7 @@ class Fault:
     victims: tuple[int, ...]            # the requests whose context the fault corrupts
     page: int | None
     tokens_at_fault: dict[int, int]     # output tokens each victim had when the fault struck
+    probe: tuple[int, int] | None = None    # hash_collision: (the request sent after it, the one whose prompt it is)
 
 
 def _holders(llm: LLM) -> list[Sequence]:
@@ -48,15 +57,53 @@ def _full_pages(llm: LLM, seq: Sequence) -> list[int]:
     return llm.block_manager.block_table(seq.seq_id)[:seq.num_computed_tokens // llm.block_manager.page_size]
 
 
+def _holding(llm: LLM, page: int) -> list[Sequence]:
+    """The running requests whose tables name the page."""
+    return [seq for seq in _holders(llm) if page in llm.block_manager.block_table(seq.seq_id)]
+
+
+def _inject_sharing(llm: LLM, kind: str, rng: random.Random, holders: list[Sequence]) -> Fault | None:
+    manager = llm.block_manager
+    if kind == "shared_write":
+        writing = [seq for seq in holders if manager.num_slots(seq.seq_id) % manager.page_size]
+        if not writing:
+            return None
+        victim = rng.choice(writing)
+        return _fault(kind, [victim], manager.fault_publish(victim.seq_id))
+    if kind == "freed_held":
+        shared = sorted({page for seq in holders for page in manager.block_table(seq.seq_id)
+                         if manager.ref_count(page) > 1 and manager.is_published(page)})
+        if not shared:
+            return None
+        page = rng.choice(shared)
+        victims = _holding(llm, page)
+        manager.fault_release(page)
+        return _fault(kind, victims, page)
+    published = manager.published_hashes()
+    cached = [seq for seq in holders if seq.page_hashes and published.get(seq.page_hashes[0]) is not None]
+    if not cached or len(set(published.values())) < 2:
+        return None
+    source = rng.choice(cached)
+    target = rng.choice(sorted(set(published.values()) - {published[source.page_hashes[0]]}))
+    manager.fault_collide(source.page_hashes[0], target)
+    probe = llm.add_request(source.prompt_token_ids, source.params, source.cache_salt)
+    return Fault(kind, (), target, {}, (probe, source.seq_id))
+
+
 def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | None:
     """Injects one fault of `kind` into requests chosen by `rng`, on rank 0's state or on worker `rank`'s;
     None when none can take it now."""
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault kind {kind!r} (choose from {', '.join(FAULT_KINDS)})")
     if rank:
+        if kind not in WORKER_FAULTS:
+            raise ValueError(f"fault {kind!r} strikes rank 0's allocator; a worker rank takes "
+                             f"{', '.join(WORKER_FAULTS)}")
         return _inject_on_worker(llm, kind, rng, rank)
     manager = llm.block_manager
     holders = _holders(llm)
+    if kind in SHARING_FAULTS:
+        return _inject_sharing(llm, kind, rng, holders)
     if kind == "fp8_scale":
         if not llm.kv_cache.is_fp8 or not holders:
             return None
@@ -72,7 +119,7 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
         pool = rng.choice(llm.kv_cache.pools)
         page_bytes = pool.view(torch.uint8)[rng.randrange(pool.shape[0]), page].view(-1)
         page_bytes[rng.randrange(page_bytes.numel())] ^= 1 << rng.randrange(8)
-        return _fault(kind, [victim], page)
+        return _fault(kind, _holding(llm, page), page)
     needs_two = kind in ("foreign_page", "double_allocation")
     if not holders or (needs_two and len(holders) < 2):
         return None
@@ -81,19 +128,27 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
     index = rng.randrange(len(table))
     if kind == "use_after_free":
         page = table[index]
+        victims = _holding(llm, page)
         manager.fault_release(page)
-    elif kind == "page_out_of_range":
+        return _fault(kind, victims, page)
+    if kind == "page_out_of_range":
         page = rng.choice((-1 - rng.randrange(manager.num_pages), manager.num_pages + rng.randrange(manager.num_pages)))
         table[index] = page
-    else:
-        other = rng.choice([seq for seq in holders if seq is not victim])
-        if kind == "foreign_page":
-            page = rng.choice(manager.block_table(other.seq_id))
-            table[index] = page
-        else:
-            page = table[index]
-            manager.fault_grant(other.seq_id, page)
-    return _fault(kind, [victim], page)
+        return _fault(kind, [victim], page)
+    others = [seq for seq in holders if seq is not victim]
+    if kind == "foreign_page":      # a page of another request that the victim does not hold (shared ones it may)
+        pages = sorted({page for seq in others for page in manager.block_table(seq.seq_id)} - set(table))
+        if not pages:
+            return None
+        page = table[index] = rng.choice(pages)
+        return _fault(kind, [victim], page)
+    page = table[index]
+    others = [seq for seq in others if page not in manager.block_table(seq.seq_id)]
+    if not others:
+        return None
+    victims = _holding(llm, page)
+    manager.fault_grant(rng.choice(others).seq_id, page)
+    return _fault(kind, victims, page)
 
 
 def _inject_on_worker(llm: LLM, kind: str, rng: random.Random, rank: int) -> Fault | None:
@@ -139,7 +194,8 @@ def _fault(kind: str, victims: list[Sequence], page: int | None) -> Fault:
 @dataclass(frozen=True)
 class TrialResult:
     fault: Fault | None         # None when no moment of the run could take the fault
-    detected: bool              # every victim ended with `integrity_error`
+    detected: bool              # every victim ended with `integrity_error` (hash_collision: the hit was refused
+                                # and the probe computed its prompt itself, getting the tokens it gets alone)
     victims_clean: bool         # no victim received a token produced after the fault
     harmed: int                 # other requests whose tokens differ from the fault-free run
     leaked_pages: int           # pages neither free nor quarantined once every request ended
@@ -153,6 +209,7 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     outputs: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
     fault, step = None, 0
+    detections = llm.integrity_detections
     strike_at = earliest_step + rng.randrange(4)
     while llm.has_unfinished():
         for result in llm.step():
@@ -166,6 +223,9 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
         return TrialResult(None, False, True, 0, leaked)
     victims = set(fault.victims)
     detected = all(finish[seq_id] == FinishReason.INTEGRITY_ERROR.value for seq_id in victims)
+    if fault.probe is not None:
+        probe, source = fault.probe
+        detected = llm.integrity_detections > detections and outputs[probe] == reference[ids.index(source)]
     clean = all(len(outputs[seq_id]) <= fault.tokens_at_fault[seq_id] for seq_id in victims)
     harmed = sum(1 for seq_id, expected in zip(ids, reference)
                  if seq_id not in victims and outputs[seq_id] != expected)

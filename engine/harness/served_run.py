@@ -10,6 +10,7 @@ the same machine) is outside the served timeline.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +22,14 @@ from engine.llm import LLM
 
 @dataclass(frozen=True)
 class ServeRequest:
+    """A request at `arrival_s`; or, when it `follows` an earlier one (a later turn of a conversation, by index),
+    sent `think_s` after that one ends, its prompt that one's prompt and answer followed by `prompt_token_ids`."""
+
     arrival_s: float
     prompt_token_ids: list[int]
     output_tokens: int
+    follows: int | None = None
+    think_s: float = 0.0
 
 
 @dataclass
@@ -50,23 +56,25 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
         raise ValueError(f"clock must be 'wall' or 'virtual', got {clock!r}")
     if between_steps is not None and clock != "virtual":
         raise ValueError("work between steps would be counted as serving time on the wall clock: use 'virtual'")
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    follower = {r.follows: i for i, r in enumerate(requests) if r.follows is not None}
+    due = [(r.arrival_s, i) for i, r in enumerate(requests) if r.follows is None]     # (send time, index), a heap
+    heapq.heapify(due)
+    prompts = {i: r.prompt_token_ids for i, r in enumerate(requests) if r.follows is None}
     timings = [RequestTiming(i, r.arrival_s, len(r.prompt_token_ids)) for i, r in enumerate(requests)]
     index_of: dict[int, int] = {}
     steps: list[ServedStep] = []
     preemptions_before = llm.num_preemptions
     origin = time.perf_counter()
     now = 0.0               # step boundaries only: a simulator replaying the durations sees the same instants
-    cursor = 0
-    while cursor < len(order) or llm.has_unfinished():
-        while cursor < len(order) and requests[order[cursor]].arrival_s <= now:
-            i = order[cursor]
-            request_id = llm.add_request(requests[i].prompt_token_ids,
+    while due or llm.has_unfinished():
+        while due and due[0][0] <= now:
+            arrival, i = heapq.heappop(due)
+            timings[i].arrival_s, timings[i].prompt_tokens = arrival, len(prompts[i])
+            request_id = llm.add_request(prompts.pop(i),
                                          SamplingParams(max_tokens=requests[i].output_tokens, ignore_eos=True))
             index_of[request_id] = i
-            cursor += 1
         if not llm.has_unfinished():
-            now = requests[order[cursor]].arrival_s
+            now = due[0][0]
             if clock == "wall":
                 time.sleep(max(0.0, origin + now - time.perf_counter()))
             continue
@@ -85,10 +93,16 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
             if item.samples and timing.first_token_s is None:
                 timing.first_token_s = now
         for result in finished:
-            timing = timings[index_of[result.request_id]]
+            i = index_of[result.request_id]
+            timing = timings[i]
             timing.finish_s = now
             timing.output_tokens = len(result.token_ids)
             timing.preemptions = result.num_preemptions
+            timing.cached_tokens = result.num_cached_tokens
+            if i in follower:
+                after = follower[i]
+                prompts[after] = result.prompt_token_ids + result.token_ids + requests[after].prompt_token_ids
+                heapq.heappush(due, (now + requests[after].think_s, after))
         if between_steps is not None:
             between_steps(len(steps))
     return ServeResult(timings, steps, llm.num_preemptions - preemptions_before)

@@ -105,6 +105,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._preemptions = llm.num_preemptions
+        self._prefix_counts = (llm.scheduler.prefix_queried_tokens, llm.scheduler.prefix_hit_tokens)
 
     async def start(self) -> None:
         if self._step_trace_path:
@@ -122,11 +123,12 @@ class AsyncEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.llm.tokenizer.decode(token_ids) if self.llm.tokenizer is not None else ""
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, stop: tuple[str, ...]) -> RequestStream:
+    def submit(self, prompt: str | list[int], params: SamplingParams, stop: tuple[str, ...],
+               cache_salt: str | None = None) -> RequestStream:
         """Queues a request for the next step; RequestError if it is bad, QueueFull if too many wait."""
         if len(self._pending) + len(self.llm.scheduler.waiting) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting")
-        stream = RequestStream(self.llm.new_sequence(prompt, params), TextStream(self.decode, stop))
+        stream = RequestStream(self.llm.new_sequence(prompt, params, cache_salt), TextStream(self.decode, stop))
         self._pending.append(stream)
         self._streams[stream.seq.seq_id] = stream
         self.metrics.prompt_tokens.inc(stream.seq.num_prompt_tokens)
@@ -250,6 +252,11 @@ class AsyncEngine:
         metrics.pages_free.set(llm.block_manager.num_free_pages)
         metrics.preemptions.inc(llm.num_preemptions - self._preemptions)
         self._preemptions = llm.num_preemptions
+        scheduler = llm.scheduler
+        metrics.prefix_queries.inc(scheduler.prefix_queried_tokens - self._prefix_counts[0])
+        metrics.prefix_hits.inc(scheduler.prefix_hit_tokens - self._prefix_counts[1])
+        self._prefix_counts = (scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens)
+        metrics.pages_cached.set(llm.block_manager.num_cached_pages)
 
 
 def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
@@ -307,7 +314,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
                 limit = max(1, min(llm.max_model_len, llm.capacity_tokens) - len(token_ids))
             params = SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
-            stream = engine.submit(token_ids, params, body.stop_strings)
+            stream = engine.submit(token_ids, params, body.stop_strings, body.cache_salt)
         except RequestError as error:
             return refuse(400, str(error))
         except QueueFull as error:
@@ -357,7 +364,7 @@ async def sse(engine: AsyncEngine, stream: RequestStream, writer: ResponseWriter
             if event.finish_reason is not None:
                 yield _data(writer.chunk(None, event.finish_reason))
                 if include_usage:
-                    yield _data(writer.usage_chunk(prompt_tokens, completion_tokens))
+                    yield _data(writer.usage_chunk(prompt_tokens, completion_tokens, stream.seq.num_cached_tokens or 0))
                 break
         yield _data("[DONE]")
     finally:
@@ -381,7 +388,7 @@ async def whole(engine: AsyncEngine, request: Request, stream: RequestStream, wr
             completion_tokens += event.tokens
             if event.finish_reason is not None:
                 return JSONResponse(writer.whole("".join(pieces), event.finish_reason, prompt_tokens,
-                                                 completion_tokens))
+                                                 completion_tokens, stream.seq.num_cached_tokens or 0))
     finally:
         engine.abort(stream)
 

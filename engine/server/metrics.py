@@ -22,6 +22,13 @@ class ServerMetrics:
         self.waiting = Gauge("kvplan_requests_waiting", "Requests queued for admission", registry=registry)
         self.pages_used = Gauge("kvplan_kv_pages_used", "KV-cache pages held by requests", registry=registry)
         self.pages_free = Gauge("kvplan_kv_pages_free", "KV-cache pages free", registry=registry)
+        self.pages_cached = Gauge("kvplan_kv_pages_cached", "KV-cache pages published in the prefix cache (held or "
+                                  "evictable)", registry=registry)
+        # vLLM's prefix_cache_queries and prefix_cache_hits: tokens looked up at admission, and those found
+        self.prefix_queries = Counter("kvplan_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=registry)
+        self.prefix_hits = Counter("kvplan_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=registry)
         self.capacity = Gauge("kvplan_kv_capacity_tokens", "Token slots of the KV pool", registry=registry)
         self.preemptions = Counter("kvplan_preemptions", "Requests preempted (recomputed later)", registry=registry)
         self.integrity_aborts = Counter("kvplan_integrity_aborts", "Requests aborted by a KV-cache integrity check",

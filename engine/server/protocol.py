@@ -2,7 +2,9 @@
 
 Requests are validated by pydantic with unknown fields forbidden: a misspelt parameter is a 400, never silently
 ignored. `ignore_eos` and `top_k` are the extensions vLLM and SGLang accept too (the planner's load generator
-needs `ignore_eos` to control output lengths).
+needs `ignore_eos` to control output lengths); `cache_salt` is vLLM's: requests share cached KV pages only with
+requests of the same salt, so tenants that must not learn of each other's prompts (a cache hit shows in the
+time to first token) never do.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     n: Literal[1] = 1
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1)     # vLLM's: only requests of one salt share cached pages
 
     @field_validator("stop")
     @classmethod
@@ -86,9 +89,11 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens a prefix-cache hit supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class ResponseWriter:
@@ -102,14 +107,15 @@ class ResponseWriter:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:
             body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
                                                        "finish_reason": finish_reason}])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
@@ -121,7 +127,7 @@ class ResponseWriter:
         return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
                                                    "finish_reason": finish_reason}])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body

@@ -175,15 +175,21 @@ class MemoryPlan:
             return f"the model's position limit ({self.max_position_embeddings} tokens)"
         return f"the KV pool of one replica ({self.replica_capacity_tokens} tokens)"
 
-    def max_concurrency(self, context_tokens: int) -> int:
-        """Requests of `context_tokens` each that the KV pools hold at once (whole pages per request)."""
+    def max_concurrency(self, context_tokens: int, shared_prefix_tokens: int = 0) -> int:
+        """Requests of `context_tokens` each that the KV pools hold at once (whole pages per request); with a prefix
+        cache, the full pages of a `shared_prefix_tokens` prefix every request opens with are held once per
+        replica (short of a prompt's last token, which every request computes itself)."""
         if not isinstance(context_tokens, int) or context_tokens <= 0:
             raise PlannerError(f"the context must be a positive number of tokens, got {context_tokens!r}")
         if context_tokens > self.max_position_embeddings:
             raise PlannerError(f"a context of {context_tokens} tokens is above {self.model}'s limit of "
                                f"{self.max_position_embeddings}")
-        per_request = ceil_div(context_tokens, self.page_size)
-        return self.parallel.replicas * (self.kv_pages_per_replica // per_request)
+        if not 0 <= shared_prefix_tokens < context_tokens:
+            raise PlannerError(f"a shared prefix must be shorter than the context ({context_tokens}), got "
+                               f"{shared_prefix_tokens!r}")
+        shared = shared_prefix_tokens // self.page_size
+        per_request = ceil_div(context_tokens, self.page_size) - shared
+        return self.parallel.replicas * (max(0, self.kv_pages_per_replica - shared) // per_request)
 
     def breakdown(self) -> dict[str, int]:
         """Where each GPU's memory goes; `headroom` is what the utilization fraction leaves unused

@@ -54,6 +54,7 @@ class Deployment:
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS
     calibration: str | None = None
     cuda_graphs: bool | None = None         # decode steps captured in CUDA graphs (None: the catalogue's default)
+    prefix_caching: bool = True             # the engine's default, and vLLM's and SGLang's
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:

@@ -48,7 +48,8 @@ def scheduler_config(plan: MemoryPlan, deployment: Deployment) -> SchedulerConfi
     return SchedulerConfig(num_pages=plan.kv_pages_per_replica, page_size=plan.page_size,
                            max_num_seqs=deployment.max_num_seqs,
                            max_num_batched_tokens=deployment.max_num_batched_tokens,
-                           max_model_len=plan.max_position_embeddings)
+                           max_model_len=plan.max_position_embeddings,
+                           enable_prefix_caching=deployment.prefix_caching)
 
 
 def simulate(deployment: Deployment, workload: Workload, router: str = "least-loaded", progress: bool = False,

@@ -2,7 +2,8 @@
 own scheduler and allocator rather than judged by a formula.
 
 1. Enumerate: hardware x GPUs per replica (powers of two up to `max_gpus`, one tensor-parallel group) x expert
-   parallelism (MoE models, more than one GPU) x weights x KV dtype x `max_num_seqs` x prefill chunk budget.
+   parallelism (MoE models, more than one GPU) x weights x KV dtype x `max_num_seqs` x prefill chunk budget x
+   prefix caching (on and off where the workload's prompts share prefixes, else on).
 2. Prune analytically what cannot work: a format the GPU lacks (NVFP4 off Blackwell), heads or experts that do
    not split, weights that leave no room for one request of the workload's longest; and what cannot meet the
    SLOs even alone: one stream's decode step above a TPOT limit, the longest prompt's prefill above a TTFT one.
@@ -115,6 +116,7 @@ class SearchSpace:
     max_num_seqs: tuple[int, ...] = DEFAULT_MAX_SEQS
     chunk_budgets: tuple[int, ...] = DEFAULT_CHUNKS
     explicit_formats: bool = False      # the user named the formats: NVFP4 off Blackwell is then an error
+    prefix_caching: tuple[bool, ...] | None = None     # None: with and without where prompts share prefixes
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_gpus, int) or self.max_gpus <= 0:
@@ -142,6 +144,7 @@ def context_for(workload: Workload) -> int:
 def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
     model = get_model(space.model)
     context = min(context_for(workload), model.max_position_embeddings)
+    caching = space.prefix_caching or ((True, False) if workload.shares_prefixes else (True,))
     found = []
     for hardware in space.hardware:
         nvfp4 = get_hardware(hardware).supports_nvfp4
@@ -153,9 +156,11 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
                             continue        # a format this GPU does not have: not a configuration at all
                         for seqs in space.max_num_seqs:
                             for chunk in space.chunk_budgets:
-                                found.append(Deployment(space.model, hardware, gpus, weights, kv, context,
-                                                        tensor_parallel=gpus, expert_parallel=expert_parallel,
-                                                        max_num_seqs=seqs, max_num_batched_tokens=chunk))
+                                for cached in caching:
+                                    found.append(Deployment(space.model, hardware, gpus, weights, kv, context,
+                                                            tensor_parallel=gpus, expert_parallel=expert_parallel,
+                                                            max_num_seqs=seqs, max_num_batched_tokens=chunk,
+                                                            prefix_caching=cached))
     return found
 
 
@@ -323,13 +328,14 @@ class Ranked:
     def name(self) -> str:
         d = self.deployment
         return (f"{d.gpus}x{d.hardware} tp{d.gpus}{' ep' if d.expert_parallel else ''} {d.weights}/kv {d.kv_dtype} "
-                f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}")
+                f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}{'' if d.prefix_caching else ' no-cache'}")
 
     def row(self) -> dict[str, Any]:
         d = self.deployment
         return {"configuration": self.name(), "hardware": d.hardware, "gpus": d.gpus, "tensor_parallel": d.gpus,
                 "expert_parallel": d.expert_parallel, "weights": d.weights, "kv_dtype": d.kv_dtype,
                 "max_num_seqs": d.max_num_seqs, "max_num_batched_tokens": d.max_num_batched_tokens,
+                "prefix_caching": d.prefix_caching, "prefix_cache_hit_rate": self.report.get("prefix_cache_hit_rate"),
                 "max_rate_rps": round(self.rate, 4), "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 2),
                 "tokens_per_s_per_user": None if self.tokens_per_s_per_user is None
                 else round(self.tokens_per_s_per_user, 2),
@@ -435,6 +441,9 @@ def deploy_commands(deployment: Deployment) -> dict[str, str]:
     if d.kv_dtype in ("fp8", "nvfp4"):
         vllm.append("--kv-cache-dtype fp8")
         sglang.append(f"--kv-cache-dtype {SGLANG_KV[d.kv_dtype]}")
+    if not d.prefix_caching:
+        vllm.append("--no-enable-prefix-caching")
+        sglang.append("--disable-radix-cache")
     vllm += [f"--max-num-seqs {d.max_num_seqs}", f"--max-num-batched-tokens {d.max_num_batched_tokens}",
              f"--max-model-len {d.context}", f"--gpu-memory-utilization {d.utilization}"]
     sglang += [f"--max-running-requests {d.max_num_seqs}", f"--chunked-prefill-size {d.max_num_batched_tokens}",

@@ -7,7 +7,11 @@ Each replica process does what `engine.llm.LLM.step` does, with a simulated cloc
 batch (the same `engine.core.scheduler.Scheduler` and `engine.core.block_manager.BlockManager` the engine runs,
 preemptions included), the step lasts what the step-time model says for exactly that batch, then
 `update()` takes the sampled tokens. Requests are sequences whose output length is enforced
-(`ignore_eos`, `max_tokens`), so only lengths matter, never token values.
+(`ignore_eos`, `max_tokens`), so only lengths matter, and the identities of tokens, never their values.
+
+With prefix caching (`SchedulerConfig.enable_prefix_caching`) a prompt's tokens say what it shares: a request
+with `prompt_ids` has those (after its predecessor's prompt and answer, for a later turn of a session); one without
+shares no page with any other, so that it hits only its own pages (after a preemption), as in the engine.
 
 Metrics follow `engine.core.metrics`: a token exists at the end of the step that sampled it.
 """
@@ -20,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import simpy
 
@@ -37,6 +42,33 @@ ROUTERS = ("round-robin", "least-loaded")
 MIN_WINDOW = 4              # decode steps worth fast-forwarding (fewer: the usual path is as quick)
 
 StepTime = Callable[[SchedulerOutput], float]
+
+
+class SimulatedSequence(Sequence):
+    """A simulated request. Its pages are named by Python's hash of (parent, tokens), not SHA-256: the simulator's
+    tokens are its own synthetic identities, with no tenant to protect, and naming pages is on its hot path. A
+    request that shares no token with any other (`unique`) names its pages (its id, page number) outright, and
+    publishes them only when preempted (`Sequence.publishes_eagerly`): the engine publishes them as they fill, but
+    nobody else can hit them, and the pages free either way are the same in number."""
+
+    def __init__(self, *args: Any, unique: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unique = unique
+        self.publishes_eagerly = not unique
+
+    def page_names(self, count: int, page_size: int) -> tuple[list, list]:
+        hashes, keys = self.page_hashes, self.page_keys
+        if self.unique:
+            if len(hashes) < count:
+                hashes.extend((self.seq_id, index) for index in range(len(hashes), count))
+            return hashes, hashes
+        parent = hashes[-1] if hashes else 0
+        for index in range(len(hashes), count):
+            key = tuple(self.token_ids_between(index * page_size, (index + 1) * page_size))
+            parent = hash((parent, key))
+            keys.append(key)
+            hashes.append(parent)
+        return hashes, keys
 
 
 class ModelStepTime:
@@ -98,9 +130,17 @@ class SimulationResult:
     preemptions: int
     abandoned: bool = False             # stopped early by its `give_up` hook: the report covers what finished
 
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evictions: int = 0
+
     def report(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
         out = summarize(self.timings, slo_ttft_s, slo_tpot_s)
         out.update({
+            "prefix_cache_hit_rate": self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens else 0.0,
+            "cached_tokens_per_request": sum(t.cached_tokens for t in self.timings) / max(1, len(self.timings)),
+            "prefix_cache_evictions": self.evictions,
             "max_concurrency_reached": self.peak_running,
             "preemptions": self.preemptions,
             "kv_utilization_peak": self.kv_utilization_peak,
@@ -117,7 +157,8 @@ class Replica:
                  sim: Simulation, fast_forward: bool = False) -> None:
         self.env = env
         self.index = index
-        self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size))
+        self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size,
+                                                        config.enable_prefix_caching))
         self.sim = sim
         self.fast_forward = fast_forward and isinstance(step_time, ModelStepTime)
         self.step_time = (step_time.for_replica(index, lambda: env.now) if isinstance(step_time, ModelStepTime)
@@ -170,6 +211,8 @@ class Replica:
                 timing.finish_s = now
                 timing.output_tokens = len(seq.output_token_ids)
                 timing.preemptions = seq.num_preemptions
+                timing.cached_tokens = seq.num_cached_tokens or 0
+                sim.ended(seq)
                 self.unfinished -= 1
                 sim.observe(timing)
                 sim.finished(seq.seq_id)
@@ -258,6 +301,8 @@ class Simulation:
         self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps)
                          for i in range(replicas)]
         self._closed_loop: Callable[[int], None] | None = None
+        self._followers: dict[int, RequestSpec] = {}        # a session's next turn, by the request it follows
+        self._transcripts: dict[int, list[int]] = {}        # prompt + answer of a request someone follows
         self._bar = _progress_bar() if progress else None
         self._give_up = give_up
         self._done = self.env.event()       # every request finished, or given up on
@@ -290,7 +335,13 @@ class Simulation:
         self._finished += 1
         if self._finished == self._expected and not self._done.triggered:
             self._done.succeed()
-        if self._closed_loop is not None:
+        follower = self._followers.pop(seq_id, None)
+        if follower is not None:
+            if follower.think_s:
+                self.env.process(self._after(follower.think_s, follower))
+            else:
+                self.submit(follower)
+        elif self._closed_loop is not None:
             self._closed_loop(seq_id)
 
     def _route(self) -> Replica:
@@ -298,15 +349,25 @@ class Simulation:
             return self.replicas[next(self._round_robin)]
         return min(self.replicas, key=lambda replica: replica.unfinished)
 
+    def _prompt(self, request: RequestSpec) -> list[int]:
+        """The request's token identities (see the module's docstring)."""
+        if request.follows is not None:
+            return self._transcripts.pop(request.follows) + list(request.prompt_ids or ())
+        if request.prompt_ids is not None:
+            return list(request.prompt_ids)
+        return [0] * request.prompt_tokens          # named apart from every other request's (`SimulatedSequence`)
+
     def submit(self, request: RequestSpec) -> None:
         total = request.prompt_tokens + request.output_tokens
         if total > self.config.max_model_len or total > self.config.capacity_tokens:
             raise PlannerError(f"request {request.request_id}: {request.prompt_tokens} + {request.output_tokens} "
                                f"tokens exceed the context ({self.config.max_model_len}) or the KV pool "
                                f"({self.config.capacity_tokens})")
-        seq = Sequence([0] * request.prompt_tokens, SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
-                       seq_id=request.request_id)
-        self.timings[request.request_id] = RequestTiming(request.request_id, self.env.now, request.prompt_tokens)
+        seq = SimulatedSequence(self._prompt(request),
+                                SamplingParams(max_tokens=request.output_tokens, ignore_eos=True),
+                                seq_id=request.request_id,
+                                unique=request.prompt_ids is None and request.follows is None)
+        self.timings[request.request_id] = RequestTiming(request.request_id, self.env.now, seq.num_prompt_tokens)
         if self.request_overhead_s:
             self.env.process(self._admit_later(seq))
         else:
@@ -316,6 +377,11 @@ class Simulation:
         """Hands a request to a replica once the API server has taken its time over it."""
         yield self.env.timeout(self.request_overhead_s)
         self._route().submit(seq)
+
+    def ended(self, seq: Sequence) -> None:
+        """Keeps the transcript of a request that a later turn follows."""
+        if seq.seq_id in self._followers:
+            self._transcripts[seq.seq_id] = seq.prompt_token_ids + seq.output_token_ids
 
     def _open_arrivals(self, requests: list[RequestSpec]):
         """Sends each request at its arrival time."""
@@ -337,9 +403,11 @@ class Simulation:
         if self._bar is not None:
             self._bar.reset(total=len(requests))
         self._expected = len(requests)
+        self._followers = {request.follows: request for request in requests if request.follows is not None}
+        first_turns = [request for request in requests if request.follows is None]
         start = time.perf_counter()
         if closed:
-            pending = iter(requests)
+            pending = iter(first_turns)
 
             def send_next(_finished: int | None = None) -> None:
                 request = next(pending, None)
@@ -351,10 +419,10 @@ class Simulation:
                     self.submit(request)
 
             self._closed_loop = send_next
-            for _ in range(min(users, len(requests))):
+            for _ in range(min(users, len(first_turns))):
                 send_next()
         else:
-            self.env.process(self._open_arrivals(requests))
+            self.env.process(self._open_arrivals(first_turns))
         self._done.callbacks.append(simpy.core.StopSimulation.callback)     # ends run() when it triggers
         self.env.run()
         if self._bar is not None:
@@ -363,10 +431,13 @@ class Simulation:
                       or self.timings[r.request_id].finish_s is None]
         if unfinished and not self.abandoned:
             raise PlannerError(f"{len(unfinished)} requests never finished (first: {unfinished[0]})")
+        schedulers = [replica.scheduler for replica in self.replicas]
         return SimulationResult(list(self.timings.values()), self.steps, self.step_count, self.peak_running,
                                 self.peak_pages / self.config.num_pages, len(self.replicas),
-                                time.perf_counter() - start, sum(r.scheduler.num_preemptions for r in self.replicas),
-                                self.abandoned)
+                                time.perf_counter() - start, sum(s.num_preemptions for s in schedulers),
+                                self.abandoned, sum(s.prefix_queried_tokens for s in schedulers),
+                                sum(s.prefix_hit_tokens for s in schedulers),
+                                sum(s.block_manager.evictions for s in schedulers))
 
     def _after(self, delay: float, request: RequestSpec):
         """Submits a closed-loop user's next request after its think time."""

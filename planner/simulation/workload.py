@@ -3,8 +3,21 @@
 Open loops arrive at a rate: Poisson (exponential gaps) or gamma (gaps with a coefficient of variation
 above 1: bursts). A closed loop keeps N users each with one request in flight (plus a think time). A
 trace replays a JSONL file of {"arrival_s", "prompt_tokens", "output_tokens"} lines. Every random source
-(gaps, prompt lengths, output lengths) draws from its own `numpy.random.SeedSequence` child, so changing
-one distribution never changes the others' draws, and one seed gives one workload.
+(gaps, prompt lengths, output lengths, token identities) draws from its own `numpy.random.SeedSequence` child,
+so changing one distribution never changes the others' draws, and one seed gives one workload.
+
+Prompts can share prefixes, which a prefix cache turns into hits:
+
+    shared system prompt     every conversation opens with the same `shared_prefix_tokens` tokens
+    multi-turn sessions      `turns` requests per session: turn k's prompt is the conversation so far (every
+                             earlier prompt and answer) plus a new message of `prompt` tokens, sent
+                             `think_time_s` after turn k-1 ended
+    agent traces             JSONL lines with a "session_id": a session's later lines extend its transcript by
+                             their "new_tokens" (or grow it to their "prompt_tokens"), "think_s" after the last
+                             line's answer
+
+Such requests carry token identities (`RequestSpec.prompt_ids`): ids that say which tokens are the same, all
+that hashing a page needs; the simulator builds each turn's prompt from its predecessor's prompt and answer.
 """
 from __future__ import annotations
 
@@ -18,6 +31,7 @@ from planner.errors import PlannerError
 
 ARRIVALS = ("poisson", "gamma", "closed", "trace")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal", "trace")
+TOKEN_IDS = (3, 256)        # the range token identities are drawn from: in every vocabulary, and small ints
 
 
 @dataclass(frozen=True)
@@ -79,10 +93,18 @@ class LengthDistribution:
 
 @dataclass(frozen=True)
 class RequestSpec:
+    """One request. `prompt_ids`: its own tokens' identities (the whole prompt, or with `follows` the new message
+    after the transcript); None: tokens no other request shares. `follows`: the request of the same session whose
+    prompt and answer open this one's prompt; it is sent `think_s` after that one ends."""
+
     request_id: int
-    arrival_s: float | None         # None: a closed-loop user sends it when its previous one ends
+    arrival_s: float | None         # None: sent when its predecessor ends (closed-loop user, or previous turn)
     prompt_tokens: int
     output_tokens: int
+    prompt_ids: tuple[int, ...] | None = None
+    follows: int | None = None
+    think_s: float = 0.0
+    session: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +119,8 @@ class Workload:
     output: LengthDistribution = field(default_factory=lambda: LengthDistribution("fixed", 128))
     trace: str | None = None
     seed: int = 0
+    shared_prefix_tokens: int = 0           # a system prompt every conversation opens with
+    turns: int = 1                          # requests per session (multi-turn conversations)
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -113,49 +137,126 @@ class Workload:
             raise PlannerError("a trace workload needs --trace FILE")
         if self.think_time_s < 0:
             raise PlannerError(f"think time must be >= 0, got {self.think_time_s!r}")
+        if not (isinstance(self.shared_prefix_tokens, int) and self.shared_prefix_tokens >= 0):
+            raise PlannerError(f"the shared prefix must be a non-negative number of tokens, got "
+                               f"{self.shared_prefix_tokens!r}")
+        if not (isinstance(self.turns, int) and self.turns >= 1):
+            raise PlannerError(f"turns per session must be a positive integer, got {self.turns!r}")
+        if self.arrival == "trace" and self.turns > 1:
+            raise PlannerError("a trace says its sessions itself (\"session_id\"); --turns is for generated workloads")
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether requests share tokens (so that a prefix cache matters beyond a preempted request's own)."""
+        return self.shared_prefix_tokens > 0 or self.turns > 1 or (
+            self.arrival == "trace" and any(r.prompt_ids is not None for r in self.requests()))
 
     def requests(self) -> list[RequestSpec]:
-        """The requests in arrival order (closed loops: in the order users send them)."""
+        """The requests in arrival order (closed loops: in the order users send them; a session's later turns
+        after its first, sent when their predecessors end)."""
+        gaps_seed, prompt_seed, output_seed, token_seed = np.random.SeedSequence(self.seed).spawn(4)
         if self.arrival == "trace":
-            return read_trace(self.trace)
-        gaps_seed, prompt_seed, output_seed = np.random.SeedSequence(self.seed).spawn(3)
+            return read_trace(self.trace, self.shared_prefix_tokens, self.think_time_s, token_seed)
         n = self.num_requests
         prompts = self.prompt.sample(np.random.default_rng(prompt_seed), n)
         outputs = self.output.sample(np.random.default_rng(output_seed), n)
         gaps_rng = np.random.default_rng(gaps_seed)
+        sessions = -(-n // self.turns)
         if self.arrival == "closed":
-            arrivals = [None] * n
+            arrivals = [None] * sessions
         else:
+            rate = self.rate / self.turns       # conversations start at this rate: requests arrive at `rate`
             if self.arrival == "poisson":
-                gaps = gaps_rng.exponential(1.0 / self.rate, n)
+                gaps = gaps_rng.exponential(1.0 / rate, sessions)
             else:
                 shape = 1.0 / self.burstiness ** 2              # CV of a gamma = 1 / sqrt(shape)
-                gaps = gaps_rng.gamma(shape, 1.0 / (self.rate * shape), n)
+                gaps = gaps_rng.gamma(shape, 1.0 / (rate * shape), sessions)
             arrivals = np.cumsum(gaps).tolist()
-        return [RequestSpec(i, arrivals[i], int(prompts[i]), int(outputs[i])) for i in range(n)]
+        if not (self.shared_prefix_tokens or self.turns > 1):
+            return [RequestSpec(i, arrivals[i], int(prompts[i]), int(outputs[i])) for i in range(n)]
+        tokens = TokenIdentities(token_seed, self.shared_prefix_tokens)
+        requests: list[RequestSpec] = []
+        for session in range(sessions):
+            previous = None
+            for request_id in range(session * self.turns, min(n, (session + 1) * self.turns)):
+                own = tokens.draw(int(prompts[request_id]))
+                if previous is None:
+                    request = RequestSpec(request_id, arrivals[session], len(tokens.system) + len(own),
+                                          int(outputs[request_id]), tokens.system + own, session=session)
+                else:
+                    request = RequestSpec(request_id, None, previous.prompt_tokens + previous.output_tokens + len(own),
+                                          int(outputs[request_id]), own, previous.request_id, self.think_time_s,
+                                          session)
+                requests.append(request)
+                previous = request
+        return requests
 
 
-def read_trace(path: str | Path) -> list[RequestSpec]:
+class TokenIdentities:
+    """Token ids for requests that share prefixes: the system prompt, then fresh ids for each new message."""
+
+    def __init__(self, seed: np.random.SeedSequence, system_tokens: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self.system = self.draw(system_tokens)
+
+    def draw(self, count: int) -> tuple[int, ...]:
+        return tuple(self._rng.integers(*TOKEN_IDS, count).tolist())
+
+
+def read_trace(path: str | Path, shared_prefix_tokens: int = 0, think_time_s: float = 0.0,
+               token_seed: np.random.SeedSequence | None = None) -> list[RequestSpec]:
+    """The requests of a JSONL trace. Lines without a "session_id" are independent requests ({"arrival_s",
+    "prompt_tokens", "output_tokens"}); with one, a session's first line opens a conversation (with the shared
+    system prompt, if any), and its later lines continue it: "new_tokens" more (or up to "prompt_tokens" in all),
+    sent "think_s" (default `think_time_s`) after the previous line's answer; their "arrival_s" is not used."""
     try:
         lines = Path(path).read_text().splitlines()
     except FileNotFoundError:
         raise PlannerError(f"trace {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:
         raise PlannerError(f"trace {str(path)!r} is not readable: {error}") from None
-    requests = []
+    requests: list[RequestSpec] = []
+    last_of: dict[str, RequestSpec] = {}
+    tokens = TokenIdentities(token_seed or np.random.SeedSequence(0), shared_prefix_tokens)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"trace {str(path)!r} line {number}"
         try:
             row = json.loads(line)
-            arrival = float(row.get("arrival_s", row.get("arrival_time")))
-            prompt, output = int(row["prompt_tokens"]), int(row["output_tokens"])
+            session = row.get("session_id")
+            previous = last_of.get(str(session)) if session is not None else None
+            output = int(row["output_tokens"])
+            if previous is None:
+                arrival = float(row.get("arrival_s", row.get("arrival_time")))
+                own = int(row["prompt_tokens"]) if "prompt_tokens" in row else int(row["new_tokens"])
+                think = 0.0
+            else:
+                arrival = 0.0
+                transcript = previous.prompt_tokens + previous.output_tokens
+                own = int(row["new_tokens"]) if "new_tokens" in row else int(row["prompt_tokens"]) - transcript
+                think = float(row.get("think_s", think_time_s))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            raise PlannerError(f"trace {str(path)!r} line {number}: expected {{\"arrival_s\", \"prompt_tokens\", "
-                               f"\"output_tokens\"}}, got {line[:80]!r}") from None
-        if arrival < 0 or prompt <= 0 or output <= 0:
-            raise PlannerError(f"trace {str(path)!r} line {number}: times must be >= 0 and token counts positive")
-        requests.append(RequestSpec(len(requests), arrival, prompt, output))
+            raise PlannerError(f"{where}: expected {{\"arrival_s\", \"prompt_tokens\", \"output_tokens\"}} (and "
+                               f"for sessions \"session_id\", \"new_tokens\"), got {line[:80]!r}") from None
+        if arrival < 0 or own <= 0 or output <= 0 or think < 0:
+            raise PlannerError(f"{where}: times must be >= 0 and token counts positive (a session's prompt_tokens "
+                               f"must exceed its transcript so far)")
+        request_id = len(requests)
+        if session is None and not shared_prefix_tokens:
+            request = RequestSpec(request_id, arrival, own, output)
+        elif session is None:
+            request = RequestSpec(request_id, arrival, shared_prefix_tokens + own, output,
+                                  tokens.system + tokens.draw(own))
+        elif previous is None:
+            request = RequestSpec(request_id, arrival, shared_prefix_tokens + own, output,
+                                  tokens.system + tokens.draw(own), session=request_id)
+        else:
+            request = RequestSpec(request_id, None, previous.prompt_tokens + previous.output_tokens + own, output,
+                                  tokens.draw(own), previous.request_id, think, previous.session)
+        if session is not None:
+            last_of[str(session)] = request
+        requests.append(request)
     if not requests:
         raise PlannerError(f"trace {str(path)!r} has no requests")
-    return sorted(requests, key=lambda r: r.arrival_s)
+    return sorted(requests, key=lambda r: (r.arrival_s is None, r.arrival_s or 0.0, r.request_id))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from planner.catalog.models import get_model
 from planner.cost.step_model import step_time
 from planner.errors import PlannerError
 from planner.simulation.simulator import Simulation, SimulationResult, model_step_time, replayed_step_time
-from planner.simulation.workload import Workload
+from planner.simulation.workload import RequestSpec, Workload
 from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
 from planner.verification.probe_engine import ProbeEngine
@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from engine.core.config import SchedulerConfig
     from engine.core.scheduler import SchedulerOutput
     from engine.harness.profiler import Profiler
-    from engine.harness.served_run import ServedStep, ServeResult
+    from engine.harness.served_run import ServedStep, ServeRequest, ServeResult
+    from engine.llm import LLM
 
 PROBE_EVERY_STEPS = 3       # one reference step is timed after every this many served steps
 PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops them up after it)
@@ -189,22 +190,26 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
                            f"{fingerprint.get('device_name')!r}")
     calibration = Calibration.of(calibrate(profile, max_mape))
     specs = workload.requests()
-    if any(spec.arrival_s is None for spec in specs):
+    if any(spec.arrival_s is None and spec.follows is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
     engine = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     run = _serve(profile, specs, kv_cache_gib, engine)
     served, speeds = run.served, run.speeds
-    predicted = _predict(calibration, profile, run, specs)
+    predicted = _predict(calibration, profile, run, run.specs)
     measured = summarize(served.timings)
+    served_cached = [timing.cached_tokens for timing in served.timings]
     metrics = {
         "kv_capacity_tokens": compared(predicted_kv_capacity(profile, kv_cache_gib, run.config.page_size),
                                        run.capacity_tokens),
         "peak_concurrency": compared(predicted.report["max_concurrency_reached"], max(s.running for s in served.steps)),
         "preemptions": compared(predicted.report["preemptions"], served.preemptions),
+        "cached_tokens": compared(sum(predicted.cached_tokens), sum(served_cached)),
         **{name: compared(predicted.report[name], measured[name]) for name in TIMING_METRICS},
     }
     durations = [s.duration_s for s in served.steps]
     replay = {"preemptions": compared(predicted.replayed.preemptions, served.preemptions),
+              "cached_tokens_equal": predicted.cached_tokens == served_cached,
+              "cached_tokens_equal_replayed": _cached_by_request(predicted.replayed, run.specs) == served_cached,
               "same_batches": [s.batch for s in predicted.replayed.steps] == [s.batch for s in served.steps],
               "steps": len(served.steps),
               "step_model": step_model_errors(predicted.modelled, durations),
@@ -228,22 +233,21 @@ class VerifiedRun:
     steal_pct: float | None
     config: SchedulerConfig             # the engine's
     capacity_tokens: int
+    specs: list[RequestSpec]            # the workload's requests with the token ids the engine was given
 
 
 def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int]) -> VerifiedRun:
     """The workload through an engine configured as the profiled one, a second engine timing the profile's own
     steps again between the served steps (drift probes)."""
     from engine.harness.profiler import Profiler, SweepPlan
-    from engine.harness.served_run import ServeRequest, serve_requests
+    from engine.harness.served_run import serve_requests
 
     fingerprint = profile["fingerprint"]
     llm = engine_of(fingerprint, kv_cache_gib, **engine)
     reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
-        prompts = english_prompts(llm.tokenizer, [spec.prompt_tokens for spec in specs],
-                                  llm.model_config.vocab_size)
-        requests = [ServeRequest(spec.arrival_s, prompt, spec.output_tokens) for spec, prompt in zip(specs, prompts)]
+        requests, specs = _engine_requests(specs, llm)
         if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
             profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
         else:
@@ -256,12 +260,31 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
         probes.complete()
         steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
-    return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens)
+    return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs)
+
+
+def _engine_requests(specs: list[RequestSpec], llm: LLM) -> tuple[list[ServeRequest], list[RequestSpec]]:
+    """The engine's requests: prompts of the workload's own token identities where it has them (shared prefixes,
+    conversations: ids every vocabulary has), else cut from English text; and the specs with those very ids, so
+    that the simulator's prefix cache sees what the engine's does."""
+    from engine.harness.served_run import ServeRequest
+
+    plain = [spec.prompt_tokens for spec in specs if spec.prompt_ids is None]
+    cut = iter(english_prompts(llm.tokenizer, plain, llm.model_config.vocab_size) if plain else [])
+    index = {spec.request_id: i for i, spec in enumerate(specs)}
+    requests, identified = [], []
+    for spec in specs:
+        prompt = list(spec.prompt_ids) if spec.prompt_ids is not None else next(cut)
+        requests.append(ServeRequest(spec.arrival_s or 0.0, prompt, spec.output_tokens,
+                                     None if spec.follows is None else index[spec.follows], spec.think_s))
+        identified.append(replace(spec, prompt_ids=tuple(prompt)))
+    return requests, identified
 
 
 @dataclass
 class Predictions:
     report: dict[str, Any]                  # the simulation with the calibrated step model
+    cached_tokens: list[int]                # its prefix-cache hits, by request in the workload's order
     replayed: SimulationResult              # the engine's own step durations replayed through the scheduler
     modelled: list[tuple[str, float]]       # the step model's price of each replayed step, with its regime
     drift_corrected: dict[str, Any]         # the simulation with each step at the machine's speed then
@@ -301,7 +324,13 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
     at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
     corrected = Simulation(run.config, at_served_speed)
     at_served_speed.clock = lambda: corrected.env.now
-    return Predictions(simulated.report(), replayed, modelled, corrected.run(list(specs)).report())
+    return Predictions(simulated.report(), _cached_by_request(simulated, specs), replayed, modelled,
+                       corrected.run(list(specs)).report())
+
+
+def _cached_by_request(result: SimulationResult, specs: list[RequestSpec]) -> list[int]:
+    cached = {timing.request_id: timing.cached_tokens for timing in result.timings}
+    return [cached[spec.request_id] for spec in specs]
 
 
 def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
