@@ -38,8 +38,9 @@ def deployment_inputs() -> Deployment | None:
     kv = sidebar.selectbox("KV cache", KV_DTYPES, index=KV_DTYPES.index(default.kv_dtype))
     context = int(sidebar.number_input("Context per request (tokens)", min_value=1, value=default.context, step=1024))
     price = sidebar.number_input("USD per GPU-hour (0 = catalogue)", min_value=0.0, value=0.0, step=0.25)
+    caching = sidebar.checkbox("Prefix caching", value=default.prefix_caching)
     return Deployment(model=model, hardware=hardware, gpus=gpus, weights=weights, kv_dtype=kv, context=context,
-                      gpu_hour_usd=price or None)
+                      gpu_hour_usd=price or None, prefix_caching=caching)
 
 
 def show_plan(deployment: Deployment) -> None:
@@ -107,8 +108,13 @@ def show_simulate(deployment: Deployment) -> None:
     output = int(columns[3].number_input("Output tokens", min_value=1, value=base.output.value, step=64))
     slo_ttft = columns[3].number_input("TTFT p99 SLO (s)", min_value=0.0, value=2.0, step=0.5)
     slo_tpot = columns[3].number_input("TPOT p99 SLO (s)", min_value=0.0, value=0.1, step=0.01)
+    columns = st.columns(4)
+    shared = int(columns[0].number_input("Shared system prompt (tokens)", min_value=0, value=0, step=256))
+    turns = int(columns[1].number_input("Turns per conversation", min_value=1, value=1, step=1))
+    think = columns[2].number_input("Think time between turns (s)", min_value=0.0, value=0.0, step=1.0)
     workload = Workload(arrival, requests, rate=rate, users=users if arrival == "closed" else None,
-                        prompt=LengthDistribution("fixed", prompt), output=LengthDistribution("fixed", output))
+                        prompt=LengthDistribution("fixed", prompt), output=LengthDistribution("fixed", output),
+                        shared_prefix_tokens=shared, turns=turns, think_time_s=think)
     view = dashboard.simulate_view(deployment, workload, slo_ttft or None, slo_tpot or None, [1, 8, 32, 64, 128, 256])
     report = view["report"]
     columns = st.columns(4)
@@ -119,9 +125,14 @@ def show_simulate(deployment: Deployment) -> None:
     columns[2].metric("Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s"
                       + pm(bars, "output_tokens_per_s"))
     columns[3].metric("Preemptions", report["preemptions"])
+    st.metric("Prefix-cache hit rate", f"{report['prefix_cache_hit_rate']:.0%}"
+              + ("" if deployment.prefix_caching else " (caching off)"))
     st.plotly_chart(view["latency"], key="sim-latency")
     st.plotly_chart(view["kv"], key="sim-kv")
     st.plotly_chart(view["curve"], key="sim-curve")
+    if deployment.prefix_caching:
+        st.markdown("**Prefix caching**: the same load with a growing share of each prompt shared by all requests")
+        st.plotly_chart(dashboard.prefix_cache_view(deployment, workload)["figure"], key="sim-prefix")
 
 
 def show_search(deployment: Deployment) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from engine.core.reference_text import reference_ids
 from engine.core.sequence import SamplingParams
-from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, run_trial
+from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, WORKER_FAULTS, run_trial
 from engine.llm import LLM
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -138,13 +138,17 @@ def campaign(trials: int, seed: int, engine: dict) -> list[dict]:
     logging.getLogger("engine.executor.integrity").setLevel(logging.CRITICAL)     # thousands of expected violations
     ranks = list(range(min(2, engine.get("tensor_parallel", 1))))
     for mode, kv_dtype in (("ownership", None), ("full", "fp8")):
-        llm = LLM(**engine, device="cpu", page_size=8, num_pages=800, integrity=mode, kv_dtype=kv_dtype)
+        # a token budget of 64 admits the requests over several steps, so that the later ones share the pages of
+        # the system prompt half of them open with, published by the earlier ones (the sharing faults need that)
+        llm = LLM(**engine, device="cpu", page_size=8, num_pages=800, integrity=mode, kv_dtype=kv_dtype,
+                  max_num_batched_tokens=64)
         ids = english_ids(llm)
-        prompts = [ids[i * 150:i * 150 + rng.randrange(3, 130)] for i in range(16)]
+        system = ids[5000:5024]
+        prompts = [(system if i % 2 else []) + ids[i * 150:i * 150 + rng.randrange(3, 100)] for i in range(16)]
         params = [SamplingParams(max_tokens=rng.randrange(4, 16), ignore_eos=True) for _ in prompts]
         reference = [result.token_ids for result in llm.generate(prompts, params)]
         for kind, rank in ((kind, rank) for kind in FAULT_KINDS for rank in ranks):
-            if mode not in DETECTED_IN[kind]:
+            if mode not in DETECTED_IN[kind] or (rank and kind not in WORKER_FAULTS):
                 continue
             results = [run_trial(llm, prompts, params, reference, kind, rng, rank=rank) for _ in range(trials)]
             injected = [r for r in results if r.fault is not None]

@@ -69,8 +69,8 @@ def test_every_page_renders(page):
     if page == "Compare":
         assert len(app.dataframe) == 2 and "FP8 KV" in app.markdown[0].value
     if page == "Simulate":
-        assert {"TTFT p99", "TPOT p99", "Output throughput", "Preemptions"} <= set(metrics(app))
-        assert len(app.get("plotly_chart")) == 3
+        assert {"TTFT p99", "TPOT p99", "Output throughput", "Preemptions", "Prefix-cache hit rate"} <= set(metrics(app))
+        assert len(app.get("plotly_chart")) == 4
     if page == "Verify":
         assert app.dataframe or app.info
         if app.dataframe:
@@ -84,6 +84,20 @@ def test_simulate_page_reacts_to_the_load():
     app.number_input[0].set_value(40.0).run()                      # 20x the arrival rate
     assert not app.exception
     assert float(metrics(app)["TTFT p99"].split()[0]) > float(light.split()[0])
+
+
+def test_simulate_page_shows_the_prefix_cache():
+    """A shared system prompt (before each request's own prompt) raises the hit rate the page shows; the hit rate and
+    TTFT against the cached share of the prompt are plotted; with caching off the curve is gone and the rate is 0."""
+    app = fresh()
+    app.sidebar.radio[0].set_value("Simulate").run()
+    assert metrics(app)["Prefix-cache hit rate"] == "0%"
+    shared = next(box for box in app.number_input if box.label == "Shared system prompt (tokens)")
+    shared.set_value(1536).run()
+    assert not app.exception                            # 1536 of the 1536 + 2048 prompt tokens: 43%
+    assert 35 <= int(metrics(app)["Prefix-cache hit rate"].rstrip("%")) <= 43
+    app.sidebar.checkbox[0].uncheck().run()
+    assert metrics(app)["Prefix-cache hit rate"].startswith("0%") and len(app.get("plotly_chart")) == 3
 
 
 def test_search_page_ranks_configurations_and_gives_deploy_commands():

@@ -159,13 +159,13 @@ def test_the_fault_campaign_on_an_mla_model(deepseek):
     from campaign import assert_campaign_detects
 
     from engine.core.sequence import SamplingParams
-    from engine.harness.fault_campaign import FAULT_KINDS
+    from engine.harness.fault_campaign import PAGE_FAULTS
 
     folder, _, prompts, _ = deepseek
     rng = random.Random(5)
     params = [SamplingParams(max_tokens=rng.randrange(4, 12), ignore_eos=True) for _ in prompts]
     llm = engine(folder, kv_dtype="fp8", integrity="full", num_pages=160)
-    assert_campaign_detects(llm, (prompts, params), FAULT_KINDS, trials=2, seed=6)
+    assert_campaign_detects(llm, (prompts, params), PAGE_FAULTS, trials=2, seed=6)
 
 
 def test_fp8_latent_pages_stay_close_to_bf16_pages(deepseek):

@@ -130,7 +130,7 @@ def test_fp8_caches_select_nearly_the_same_tokens_and_fault_checks_cover_the_ind
 
     from engine.core.sequence import SamplingParams
     from engine.executor.integrity import page_checksums
-    from engine.harness.fault_campaign import FAULT_KINDS
+    from engine.harness.fault_campaign import PAGE_FAULTS
 
     folder, _, prompts, _ = glm
     fp8 = engine(folder, kv_dtype="fp8", integrity="full", num_pages=160)
@@ -148,7 +148,7 @@ def test_fp8_caches_select_nearly_the_same_tokens_and_fault_checks_cover_the_ind
         flat[3] ^= 1 << 2
     rng = random.Random(5)
     params = [SamplingParams(max_tokens=rng.randrange(4, 10), ignore_eos=True) for _ in prompts]
-    assert_campaign_detects(fp8, (prompts, params), FAULT_KINDS, trials=2, seed=6)
+    assert_campaign_detects(fp8, (prompts, params), PAGE_FAULTS, trials=2, seed=6)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

@@ -15,7 +15,7 @@ from engine.core.memory import KVLayout
 from engine.core.scheduler import ScheduledSequence
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.executor.integrity import IntegrityChecker, page_checksums
-from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, OWNERSHIP_FAULTS, SHARING_FAULTS, run_trial
+from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, PAGE_FAULTS, SHARING_FAULTS, run_trial
 from engine.llm import LLM
 from engine.model.kv_cache import PagedKVCache
 
@@ -111,13 +111,13 @@ def campaign_engine(mode: str, kv_dtype: str | None = None, max_num_batched_toke
 
 def test_ownership_mode_catches_every_bookkeeping_fault(workload):
     llm = campaign_engine("ownership")
-    assert_campaign_detects(llm, workload, OWNERSHIP_FAULTS, TRIALS, seed=1)
+    assert_campaign_detects(llm, workload, PAGE_FAULTS[:4], TRIALS, seed=1)
     assert 0 < len(llm.block_manager.quarantined) <= 3 * TRIALS      # out-of-range pages quarantine nothing
 
 
 def test_full_mode_also_catches_memory_corruption(workload):
     llm = campaign_engine("full", kv_dtype="fp8")
-    assert_campaign_detects(llm, workload, FAULT_KINDS, TRIALS, seed=2)
+    assert_campaign_detects(llm, workload, PAGE_FAULTS, TRIALS, seed=2)
     assert all("full" in DETECTED_IN[kind] for kind in FAULT_KINDS)
 
 
@@ -183,6 +183,6 @@ def test_the_campaign_with_shared_pages(shared_workload, mode):
     harmed, no page leaked. A small token budget admits the requests over several steps, so that the later ones
     find the earlier ones' pages published in every trial (pages a fault touched are quarantined, not reused)."""
     llm = campaign_engine(mode, max_num_batched_tokens=48)
-    kinds = SHARING_FAULTS + (OWNERSHIP_FAULTS[:4] if mode == "ownership" else ("bit_flip",))
+    kinds = SHARING_FAULTS + (PAGE_FAULTS[:4] if mode == "ownership" else ("bit_flip",))
     assert_campaign_detects(llm, shared_workload, kinds, TRIALS, seed=5)
     llm.block_manager.check_invariants()

@@ -13,7 +13,7 @@ from conftest import run_cli
 from engine.core.errors import ConfigError, WorkerError
 from engine.core.memory import kv_bytes_per_token, kv_layout
 from engine.core.sequence import SamplingParams
-from engine.harness.fault_campaign import FAULT_KINDS, crash_worker
+from engine.harness.fault_campaign import PAGE_FAULTS, crash_worker
 from engine.llm import LLM
 from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu, planned_weight_scheme
 
@@ -133,7 +133,7 @@ def test_a_fault_on_either_rank_aborts_its_request_everywhere(tiny):
     workload = (prompts(), [SamplingParams(max_tokens=8, ignore_eos=True)] * len(PROMPT_LENGTHS))
     with LLM(**settings, tensor_parallel=2) as llm:
         for rank in (1, 0):
-            assert_campaign_detects(llm, workload, FAULT_KINDS, trials=2, seed=11 + rank, rank=rank)
+            assert_campaign_detects(llm, workload, PAGE_FAULTS, trials=2, seed=11 + rank, rank=rank)
         quarantined = len(llm.block_manager.quarantined)
         assert quarantined >= 2 * 2          # each rank's bit flips quarantine their page
 

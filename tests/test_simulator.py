@@ -156,7 +156,8 @@ def test_simulate_cli_json_and_errors():
     payload = json.loads(result.stdout)
     assert set(payload) == {"completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s",
                             "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached",
-                            "preemptions", "kv_utilization_peak", "sim_wall_s", "uncertainty_pct"}
+                            "preemptions", "kv_utilization_peak", "prefix_cache_hit_rate", "cached_tokens_per_request",
+                            "sim_wall_s", "uncertainty_pct"}
     assert payload["completed"] == 200 and 0 < payload["kv_utilization_peak"] <= 1
     bad = subprocess.run([sys.executable, "-m", "planner.cli", *args[:-1], "--workload", "bursty"],
                          capture_output=True, text=True, cwd=REPO)

@@ -55,6 +55,30 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     assert {"workload", "fingerprint", "machine"} <= set(payload)
     assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
     assert "plotly" in (tmp_path / "figure.html").read_text()
+    verify_conversations(profile, capsys)
+
+
+def verify_conversations(profile, capsys) -> None:
+    """Issue 32's verification: conversations of four turns opening with a shared system prompt. The engine and
+    the simulator run the same block manager, so every request finds as many tokens cached in both; TTFT p50 and
+    output tokens/s within 15% (as measured or drift-corrected, as above)."""
+    args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "2", "--requests", "24",
+            "--turns", "4", "--shared-prefix", "64", "--think-time", "0.5", "--prompt-tokens", "uniform:32:96",
+            "--output-tokens", "uniform:16:32", "--kv-cache-gib", "0.1", "--seed", "1", "--json"]
+    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    metrics, corrected = payload["metrics"], payload["machine"]["metrics_drift_corrected"]
+    with capsys.disabled():
+        print("\nconversations: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
+              + "; drift-corrected: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in corrected.items()))
+    assert payload["replay"]["cached_tokens_equal"] and payload["replay"]["cached_tokens_equal_replayed"]
+    assert metrics["cached_tokens"]["measured"] > 24 * 32 and metrics["cached_tokens"]["error_pct"] == 0
+    assert payload["replay"]["same_batches"]
+    for figure in ("output_tokens_per_s", "ttft_p50_s"):
+        errors = (metrics[figure]["error_pct"], corrected[figure]["error_pct"])
+        assert min(map(abs, errors)) < 15, (figure, errors)
 
 
 def test_cpu_steal_share_between_two_readings():

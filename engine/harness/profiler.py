@@ -24,10 +24,12 @@ others (rank 0's time inside them, and the bytes it sent, per step).
 """
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +126,9 @@ class Profiler:
         self.llm = llm
         self.plan = plan or SweepPlan()
         self.rng = random.Random(seed)
+        # every profiled prompt under a salt of its own: a point timed again, here or by another profiler of the
+        # same seed, must compute its prompt, not find it in the prefix cache
+        self._salts = (f"profile-{uuid.uuid4().hex}-{n}" for n in itertools.count())
         self.model = model_section(llm)
         self.samples: list[dict[str, Any]] = []
         self.activation_peak_bytes: int | None = None
@@ -146,7 +151,8 @@ class Profiler:
                      self.llm.capacity_tokens - page)
         if tokens < page:
             return
-        seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True))
+        seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True),
+                                      next(self._salts))
         self.llm.step()                                  # the prefill writes K/V; the sequence still runs
         written = self.llm.block_manager.block_table(seq_id)[:tokens // page]
         self.llm.kv_cache.tile(written)
@@ -161,7 +167,9 @@ class Profiler:
             self._fill_pool_with_real_kv()
         seqs = []
         for _ in range(batch):
-            seq = Sequence(self._tokens(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            seq = Sequence(self._tokens(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           cache_salt=next(self._salts))
+            seq.publishes_eagerly = False       # its pages hold tiled K/V, not its tokens': never to be found
             self.llm.block_manager.allocate(seq.seq_id, context - 1)
             seq.num_computed_tokens = context - 1
             seq.status = SequenceStatus.RUNNING
@@ -278,7 +286,7 @@ class Profiler:
 
     def _add_prefills(self, tokens: int, prompts: int) -> None:
         for count in split_prompts(tokens, prompts):
-            self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True))
+            self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True), next(self._salts))
 
     def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
         return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)

@@ -111,6 +111,25 @@ def simulate_view(deployment: Deployment, workload: Workload, slo_ttft_s: float 
             "curve": plots.throughput_curve(curve, slo_tpot_s, bars), "curve_points": curve, "uncertainty_pct": bars}
 
 
+SHARED_SHARES = (0.0, 0.25, 0.5, 0.75, 0.9)
+
+
+def prefix_cache_view(deployment: Deployment, workload: Workload) -> dict[str, Any]:
+    """The workload with a growing share of each prompt a system prompt all requests share (the prompt length
+    kept): the prefix-cache hit rate and TTFT against the share of prompt tokens found cached."""
+    prompt = workload.prompt.value
+    points = []
+    for share in SHARED_SHARES:
+        shared = int(share * prompt)
+        shaped = replace(workload, shared_prefix_tokens=shared,
+                         prompt=replace(workload.prompt, kind="fixed", value=max(1, prompt - shared)))
+        report = simulate(deployment, shaped).report()
+        points.append({"shared_prefix_tokens": shared, "hit_rate": report["prefix_cache_hit_rate"],
+                       "cached_share": report["cached_tokens_per_request"] / prompt,
+                       "ttft_p50_s": report["ttft_p50_s"], "ttft_p99_s": report["ttft_p99_s"]})
+    return {"points": points, "figure": plots.prefix_cache_curve(points)}
+
+
 def verification_reports() -> list[Path]:
     return sorted(RESULTS.glob("verify*.json"))
 

@@ -61,6 +61,21 @@ def kv_utilization(steps: list[Any], num_pages: int) -> go.Figure:
     return figure
 
 
+def prefix_cache_curve(points: list[dict[str, float]]) -> go.Figure:
+    """TTFT (left axis) and the prefix-cache hit rate (right) against the share of the prompt found cached."""
+    shares = [p["cached_share"] for p in points]
+    figure = go.Figure()
+    figure.add_scatter(x=shares, y=[p["ttft_p50_s"] for p in points], mode="lines+markers", name="TTFT p50")
+    figure.add_scatter(x=shares, y=[p["ttft_p99_s"] for p in points], mode="lines+markers", name="TTFT p99")
+    figure.add_scatter(x=shares, y=[p["hit_rate"] for p in points], mode="lines+markers", name="hit rate",
+                       yaxis="y2", line={"dash": "dot"})
+    figure.update_layout(xaxis_title="share of prompt tokens found cached", yaxis_title="seconds",
+                         yaxis2={"title": "prefix-cache hit rate", "overlaying": "y", "side": "right",
+                                 "range": [0, 1.05]},
+                         height=360, margin=dict(t=30, b=40))
+    return figure
+
+
 def latency_percentiles(report: dict[str, Any]) -> go.Figure:
     names = ["TTFT", "TPOT", "end to end"]
     keys = [("ttft_p50_s", "ttft_p99_s"), ("tpot_p50_s", "tpot_p99_s"), ("e2e_p50_s", "e2e_p90_s")]
