@@ -8,7 +8,8 @@ with `--no-prefix-caching`, driven by the official `openai` async client over lo
     shared-system   Poisson arrivals of requests that open with the same long system prompt
 
 For each: TTFT p50/p90, output tokens/s, and the prefix-cache hit rate from `/metrics`; then the planner's
-simulator (the engine's scheduler and block manager, the CPU profile's calibrated step model) on requests of
+simulator (the engine's scheduler and block manager, the step model calibrated on a profile of this engine made
+first, here and now: a profile from another hour of a shared VM would carry that hour's speed) on requests of
 the token counts the server reported, with the same sharing, with and without caching.
 
     python bench/prefix_cache.py            # ~6 minutes on a 2-core VM; writes bench/results/prefix_cache.json
@@ -18,6 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -39,11 +43,13 @@ from planner.simulation.workload import TOKEN_IDS, RequestSpec
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-PROFILE = REPO / "planner" / "profiles" / "cpu-smollm2-135m-fp32-kvbf16.profile.json"
 MODEL = "smollm2-135m"
 KV_GIB = 0.25
-SERVE_FLAGS = ["--model", MODEL, "--weights", "fp32", "--kv-dtype", "bf16", "--device", "cpu",
-               "--memory-gib", str(KV_GIB), "--threads", "1", "--page-size", "16"]
+ENGINE_FLAGS = ["--model", MODEL, "--weights", "fp32", "--kv-dtype", "bf16", "--device", "cpu", "--threads", "1",
+                "--page-size", "16"]
+SERVE_FLAGS = ENGINE_FLAGS + ["--memory-gib", str(KV_GIB)]
+PROFILE_FLAGS = ["--memory-gib", "1", "--prefill-tokens", "16", "64", "128", "256", "512", "1024",
+                 "--batches", "1", "2", "4", "8", "16", "--contexts", "64", "128", "256", "512", "--repeats", "2"]
 METRICS = ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")
 
 
@@ -107,6 +113,7 @@ async def multi_turn(url: str, conversations: int, turns: int, max_tokens: int) 
             row.update(conversation=index, turn=turn)
             transcript = prompt + answer + "\n"
     await asyncio.gather(*(converse(i) for i in range(conversations)))
+    await recorder.client.close()
     return recorder
 
 
@@ -120,6 +127,7 @@ async def shared_system(url: str, requests: int, rate: float, max_tokens: int, s
         await asyncio.sleep(at)
         await recorder.complete(system + questions[index], max_tokens)
     await asyncio.gather(*(ask(i, float(at)) for i, at in enumerate(np.cumsum(gaps))))
+    await recorder.client.close()
     return recorder
 
 
@@ -173,8 +181,17 @@ def specs_of(workload: str, rows: list[dict[str, Any]], seed: int) -> list[Reque
     return specs
 
 
-def predicted(specs: list[RequestSpec], caching: bool, capacity_tokens: int) -> dict[str, Any]:
-    profile = load_profile(PROFILE)
+def make_profile(folder: Path) -> Path:
+    path = folder / "profile.json"
+    made = subprocess.run([sys.executable, "-m", "engine.cli", "profile", *ENGINE_FLAGS, *PROFILE_FLAGS,
+                           "--out", str(path), "--json"], capture_output=True, text=True, cwd=REPO)
+    if made.returncode != 0:
+        raise SystemExit(f"engine profile failed: {made.stderr.strip()[-300:]}")
+    return path
+
+
+def predicted(specs: list[RequestSpec], caching: bool, capacity_tokens: int, profile_path: Path) -> dict[str, Any]:
+    profile = load_profile(profile_path)
     calibration = Calibration.of(calibrate(profile, 1e9))
     params = calibration.measured_parameters if calibration.linears is not None else calibration.parameters
     costs = profile_costs(profile["model"])
@@ -196,14 +213,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="shared-system: requests per second")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="an `engine profile` of the same flags (default: made first, ~2.5 minutes)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    results: dict[str, Any] = {"engine": {"flags": SERVE_FLAGS}, "profile": PROFILE.name, "workloads": {}}
+    scratch = tempfile.TemporaryDirectory()
+    profile = args.profile or make_profile(Path(scratch.name))
+    results: dict[str, Any] = {"engine": {"flags": SERVE_FLAGS}, "profile": str(args.profile or "made first"),
+                               "workloads": {}}
     for workload in ("multi-turn", "shared-system"):
         runs = {label: served(workload, caching, args) for label, caching in (("cached", True), ("uncached", False))}
         specs = specs_of(workload, runs["cached"]["rows"], args.seed)
-        planner = {label: predicted(specs, caching, runs["cached"]["capacity_tokens"]) for label, caching in
-                   (("cached", True), ("uncached", False))}
+        planner = {label: predicted(specs, caching, runs["cached"]["capacity_tokens"], profile)
+                   for label, caching in (("cached", True), ("uncached", False))}
         results["workloads"][workload] = {
             "engine": {label: {k: v for k, v in run.items() if k != "rows"} for label, run in runs.items()},
             "planner": planner, "requests": len(specs),

@@ -142,7 +142,7 @@ async def decode_gaps(client: Client, batch: int, prompt: int, output: int, voca
 
 
 async def _sweep(client: Client, sweep: EndpointSweep, vocab_size: int) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng()      # prompts no earlier run sent: a prefix cache must not answer them
     samples = []
     for tokens in sweep.prefill_tokens:
         ttfts = await prefill_ttfts(client, tokens, sweep.repeats, vocab_size, rng)

@@ -154,8 +154,9 @@ def with_client(work: Callable[[Client], Awaitable[T]], url: str, model: str) ->
 
 
 async def serve_workload(client: Client, specs: list[RequestSpec], vocab_size: int) -> list[RequestTiming]:
-    """The workload's requests sent at their arrival times (open loop), each timed as it streams."""
-    rng = np.random.default_rng(1)
+    """The workload's requests sent at their arrival times (open loop), each timed as it streams; prompts no earlier
+    run sent (a prefix cache must not answer them)."""
+    rng = np.random.default_rng()
     prompts = [synthetic_prompt(spec.prompt_tokens, vocab_size, rng) for spec in specs]
     origin = time.perf_counter()
 

@@ -63,6 +63,9 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
         raise PlannerError(f"calibration {calibration_path!r} was not made against an endpoint: "
                            f"use `planner calibrate --endpoint`")
     deployment = deployment_of(fingerprint)
+    if workload.shares_prefixes:
+        raise PlannerError("verification against an endpoint sends prompts of their lengths alone: shared prefixes "
+                           "and conversations (--shared-prefix, --turns, session traces) are verified with --profile")
     specs = workload.requests()
     if any(spec.arrival_s is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
@@ -129,7 +132,7 @@ def simulate_endpoint(calibration: Calibration, shape: ServerShape, specs: list[
     calibrated, index_topk = calibrated_step(calibration)
     config = SchedulerConfig(num_pages=shape.capacity_tokens // shape.page_size, page_size=shape.page_size,
                              max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
-                             max_model_len=shape.max_model_len)
+                             max_model_len=shape.max_model_len, enable_prefix_caching=True)     # servers' default
     return Simulation(config, model_step_time(lambda batch: speed * calibrated(batch), index_topk)).run(
         list(specs))
 
@@ -141,7 +144,7 @@ async def slowdown(client: Client, document: dict[str, Any], vocab_size: int) ->
     samples, sweep = document["samples"], document["sweep"]
     prefill = max((s for s in samples if s["kind"] == "prefill"), key=lambda s: s["batch"]["prefill_tokens"])
     decode = min((s for s in samples if s["kind"] == "decode"), key=lambda s: s["batch"]["num_decodes"])
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng()      # prompts no earlier run sent: a prefix cache must not answer them
     ttfts = await prefill_ttfts(client, prefill["batch"]["prefill_tokens"], PROBE_REPEATS, vocab_size, rng)
     gaps = await decode_gaps(client, decode["batch"]["num_decodes"], sweep["decode_prompt_tokens"],
                               sweep["decode_output_tokens"], vocab_size, rng)
