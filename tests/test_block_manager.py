@@ -37,6 +37,18 @@ def test_can_methods_pair_with_mutators():
     assert manager.num_free_pages == 2
 
 
+def test_a_table_naming_a_page_too_many_takes_nothing_from_the_pool():
+    """After a double-allocation bug a table names more pages than its slots need: growing into them must not take
+    a negative number of pages from the free list (which once handed one page to two sequences)."""
+    manager = BlockManager(num_pages=8, page_size=4)
+    manager.allocate(1, 4)
+    manager.allocate(2, 4)
+    manager.fault_grant(1, manager.block_table(2)[0])
+    free = manager.num_free_pages
+    assert manager.append(1, 2) == [] and manager.num_free_pages == free
+    assert set(manager.allocate(3, 8)).isdisjoint(manager.block_table(1) + manager.block_table(2))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["allocate", "append", "free"]),
                           st.integers(0, 5), st.integers(1, 20)), max_size=60),

@@ -273,7 +273,7 @@ class BlockManager:
         """`count` pages for new tokens: free ones first, then the least recently used published ones nobody
         holds (evicted: unpublished)."""
         fresh = min(count, len(self._free))
-        pages = self._free.take(fresh) if fresh else []
+        pages = self._free.take(fresh) if fresh > 0 else []
         for _ in range(count - fresh):
             page, _ = self._evictable.popitem(last=False)
             page_hash, _ = self._names.pop(page)
@@ -289,7 +289,8 @@ class BlockManager:
     def append(self, seq_id: int, num_new_tokens: int) -> list[int]:
         """Reserves slots for `num_new_tokens` more tokens; returns the pages that had to be added."""
         needed = self._new_pages_needed(seq_id, num_new_tokens)
-        if needed == 0:                     # the common decode step: room left in the last page
+        if needed <= 0:                     # the common decode step: room left in the last page (or a table that
+                                            # names more pages than its slots need: a double-allocation bug's)
             self._num_slots[seq_id] += num_new_tokens
             return []
         if needed > self.num_free_pages:

@@ -293,7 +293,11 @@ class IntegrityChecker(PageRecord):
 
     # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
     def granted(self, seq_id: int, page: int, epoch: int) -> None:
-        self._drop_sharing(page)
+        if self._drop_sharing(page):
+            # a shared page others still hold, handed out again (a double allocation): its holders fail their next
+            # check, and its cached copy leaves the cache now, before a new request's hit could read what the
+            # second owner writes into it
+            self.block_manager.quarantine([page])
         self._pending[page] = (seq_id, epoch, -1, ())
 
     def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
