@@ -186,3 +186,28 @@ def test_the_campaign_with_shared_pages(shared_workload, mode):
     kinds = SHARING_FAULTS + (PAGE_FAULTS[:4] if mode == "ownership" else ("bit_flip",))
     assert_campaign_detects(llm, shared_workload, kinds, TRIALS, seed=5)
     llm.block_manager.check_invariants()
+
+
+def test_the_record_of_shared_pages_follows_the_allocator(shared_workload):
+    """Step by step: every published page the record calls shared has exactly the holders whose tables name it,
+    and its device keys are those holders' (kept by what joined and left, never rebuilt)."""
+    from engine.executor.integrity import HOLDER_SHIFT, SHARED
+
+    llm = campaign_engine("ownership", max_num_batched_tokens=48)
+    prompts, params = shared_workload
+    for prompt, request_params in zip(prompts, params):
+        llm.add_request(prompt, request_params)
+    shared_seen = 0
+    while llm.has_unfinished():
+        llm.step()
+        record, manager = llm.integrity, llm.block_manager
+        owners, _ = record.ownership()
+        tables = {seq.seq_id: manager.block_table(seq.seq_id) for seq in llm.scheduler.running}
+        for page, holders in record.shared_holders.items():
+            assert owners[page] == SHARED and manager.is_published(page)
+            assert holders == {seq_id for seq_id, table in tables.items() if page in table}, page
+            shared_seen += len(holders) > 1
+        keys = sorted(record._holder_keys.tolist())
+        assert keys == sorted((page << HOLDER_SHIFT) + holder for page, holders in record.shared_holders.items()
+                              for holder in holders)
+    assert shared_seen > 0

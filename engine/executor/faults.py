@@ -32,7 +32,7 @@ def strike(fault: WorkerFault, plan: StepPlan, record: PageRecord, kv_cache: Pag
     rng = random.Random(fault.value)
     if fault.kind in ("use_after_free", "double_allocation"):
         owner = FREE if fault.kind == "use_after_free" else fault.value
-        record.apply([(fault.page, owner, int(record.epochs[fault.page]) + 1, -1, ())])
+        record.apply([(fault.page, owner, int(record.epochs[fault.page]) + 1, -1, (), (), True)])
     elif fault.kind in ("foreign_page", "page_out_of_range"):
         if fault.seq_id not in plan.seq_ids:
             return False

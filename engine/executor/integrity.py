@@ -21,7 +21,7 @@ pages are quarantined and never return to the free pool; the others go on. Its p
 according to the ownership table, not its (untrusted) block table.
 
 Prefix caching shares pages: a published page's owner is SHARED and its holders are a set (kept on the host,
-and on the device as sorted keys page·2³² + holder, so a table entry of a shared page is checked by one
+and on the device as keys page·2³² + holder, so a table entry of a shared page is checked by one
 `isin`); a shared page also has a position, the same in every table that holds it (its page number in the
 tokens), so a holder's table cannot name it in the wrong place. Shared pages are read-only: a step that would write into a shared page, or into a sealed one, is a
 `shared_write` violation of its request. Their checksums are taken once, when they fill up, and verified on
@@ -50,6 +50,8 @@ CHECKSUM_CHUNK_PAGES = 64
 KIND_CODES = {"ownership": 1, "checksum": 2, "shared_write": 3, "freed_held": 4,
               "fp8_scale": 5}       # the agreement's encoding; the worst wins
 KINDS = {code: kind for kind, code in KIND_CODES.items()}
+# a record update: (page, owner, epoch, position, holders who joined, holders who left, reset)
+Update = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], bool]
 
 log = logging.getLogger("engine.executor.integrity")
 
@@ -132,8 +134,8 @@ class PageRecord:
         self.owners = torch.full((num_pages,), FREE, dtype=torch.int64, device=device)
         self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
         self.positions = torch.full((num_pages,), -1, dtype=torch.int64, device=device)     # of SHARED pages
-        self.shared_holders: dict[int, frozenset[int]] = {}     # page -> its holders, for SHARED pages
-        self._holder_keys: torch.Tensor | None = None           # sorted page·2³² + holder; None: to be made
+        self.shared_holders: dict[int, set[int]] = {}           # page -> its holders, for SHARED pages
+        self._holder_keys = torch.zeros(0, dtype=torch.int64, device=device)     # page·2³² + holder, each once
         self.full = mode == "full"
         if self.full:
             page_bytes = [pool[0, 0].numel() * pool.element_size() for pool in kv_cache.pools]
@@ -146,10 +148,12 @@ class PageRecord:
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self.trust_scales()
 
-    def apply(self, updates: list[tuple[int, int, int, int, tuple[int, ...]]]) -> None:
-        """Writes (page, owner, epoch, position, holders) updates in one go: owner a sequence (exclusive), FREE,
-        or SHARED with its position and holders. A page granted to a sequence is no longer sealed (it will be written); a page freed or
-        shared keeps its seal and checksum (its bytes stay as they were)."""
+    def apply(self, updates: list[Update]) -> None:
+        """Writes updates in one go: (page, owner, epoch, position, joined, left, reset), owner a sequence
+        (exclusive), FREE, or SHARED with its position; for a SHARED page the holders who joined and left since the
+        last update (`reset`: a new sharing, whose holders are exactly those who joined). A page granted to a
+        sequence is no longer sealed (it will be written); a page freed or shared keeps its seal and checksum (its
+        bytes stay as they were). The holder keys change by the updates alone: a step costs what changed in it."""
         if not updates:
             return
         values = torch.tensor([update[:4] for update in updates], dtype=torch.int64).to(self.device)
@@ -159,12 +163,27 @@ class PageRecord:
         if self.full:
             granted = values[:, 0][values[:, 1] >= 0]
             self.sealed[granted] = False
-        for page, owner, _, _, holders in updates:
-            if owner == SHARED:
-                self.shared_holders[page] = frozenset(holders)
-            else:
-                self.shared_holders.pop(page, None)
-        self._holder_keys = None
+        added, removed = [], []
+        for page, owner, _, _, joined, left, reset in updates:
+            holders = self.shared_holders.get(page)
+            if holders is not None and (reset or owner != SHARED):
+                removed += [(page << HOLDER_SHIFT) + holder for holder in holders]
+                holders = None
+                del self.shared_holders[page]
+            if owner != SHARED:
+                continue
+            if holders is None:
+                holders = self.shared_holders[page] = set()
+            holders.difference_update(left)
+            holders.update(joined)
+            removed += [(page << HOLDER_SHIFT) + holder for holder in left]
+            added += [(page << HOLDER_SHIFT) + holder for holder in joined]
+        keys = self._holder_keys
+        if removed:
+            keys = keys[~torch.isin(keys, torch.tensor(removed, dtype=torch.int64).to(self.device))]
+        if added:
+            keys = torch.cat([keys, torch.tensor(added, dtype=torch.int64).to(self.device)])
+        self._holder_keys = keys
 
     def holders(self) -> list[int]:
         exclusive = torch.unique(self.owners[self.owners >= 0]).tolist()
@@ -225,10 +244,6 @@ class PageRecord:
         pages, seq_ids, leases, positions = entries
         in_range = (pages >= 0) & (pages < self.num_pages)
         safe = torch.where(in_range, pages, 0)
-        if self._holder_keys is None:
-            keys = sorted((page << HOLDER_SHIFT) + holder for page, holders in self.shared_holders.items()
-                          for holder in holders)
-            self._holder_keys = torch.tensor(keys, dtype=torch.int64).to(self.device)
         member = torch.isin((safe << HOLDER_SHIFT) + seq_ids, self._holder_keys)
         return (in_range & (self.owners[safe] == SHARED) & (self.epochs[safe] == leases)
                 & (self.positions[safe] == positions) & member)
@@ -284,42 +299,54 @@ class IntegrityChecker(PageRecord):
                  sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
         super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
         self.block_manager = block_manager
-        self._pending: dict[int, tuple[int, int, int, tuple[int, ...]]] = {}
-        self._outbox: list[tuple[int, int, int, int, tuple[int, ...]]] | None = [] if tensor_parallel > 1 else None
+        self._pending: dict[int, list] = {}     # page -> [owner, epoch, position, joined, left, reset], collapsed
+        self._outbox: list[Update] | None = [] if tensor_parallel > 1 else None
         self._sharing: dict[int, tuple[int, int, set[int]]] = {}    # shared page -> (epoch, position, holders)
         self._shared_by: dict[int, set[int]] = {}               # sequence -> the shared pages it holds
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         block_manager.guard = self
 
-    # The block manager's guard protocol: grants and releases are queued and reach the device in one write.
+    # The block manager's guard protocol: grants and releases are queued and reach the device in one write; holder
+    # changes as who joined and who left, so that a step costs what changed in it, not what is shared.
     def granted(self, seq_id: int, page: int, epoch: int) -> None:
         if self._drop_sharing(page):
             # a shared page others still hold, handed out again (a double allocation): its holders fail their next
             # check, and its cached copy leaves the cache now, before a new request's hit could read what the
             # second owner writes into it
             self.block_manager.quarantine([page])
-        self._pending[page] = (seq_id, epoch, -1, ())
+        self._pending[page] = [seq_id, epoch, -1, set(), set(), True]
 
     def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
         held_at, at, holders = self._sharing.get(page, (epoch, position, set()))
-        if (held_at, at) != (epoch, position):      # a new sharing of the page (or a bug placing it elsewhere)
+        pending = self._pending.get(page)
+        if (held_at, at) != (epoch, position) or page not in self._sharing:     # a new sharing of the page
             holders = set()
+            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), True]
+        elif pending is None or pending[0] != SHARED:
+            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), False]
         holders.add(seq_id)
+        pending[3].add(seq_id)
+        pending[4].discard(seq_id)
         self._sharing[page] = (epoch, position, holders)
         self._shared_by.setdefault(seq_id, set()).add(page)
-        self._pending[page] = (SHARED, epoch, position, tuple(holders))
 
     def unshared(self, seq_id: int, page: int) -> None:
         epoch, position, holders = self._sharing[page]
         holders.discard(seq_id)
         self._unlink(seq_id, page)
-        self._pending[page] = (SHARED, epoch, position, tuple(holders))
+        pending = self._pending.get(page)
+        if pending is None or pending[0] != SHARED:
+            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), False]
+        if seq_id in pending[3]:
+            pending[3].discard(seq_id)
+        else:
+            pending[4].add(seq_id)
 
     def released(self, page: int, epoch: int) -> None:
         holders = self._drop_sharing(page)
         if len(holders) > 1:        # the last holder releases a shared page; several holders: a bug freed it
             self.violations += [Violation(seq_id, "freed_held", page) for seq_id in sorted(holders)]
-        self._pending[page] = (FREE, epoch, -1, ())
+        self._pending[page] = [FREE, epoch, -1, set(), set(), True]
 
     def _drop_sharing(self, page: int) -> set[int]:
         _, _, holders = self._sharing.pop(page, (0, 0, set()))
@@ -337,13 +364,14 @@ class IntegrityChecker(PageRecord):
     def _flush(self) -> None:
         if not self._pending:
             return
-        updates = [(page, *state) for page, state in self._pending.items()]
+        updates = [(page, owner, epoch, position, tuple(joined), tuple(left), reset)
+                   for page, (owner, epoch, position, joined, left, reset) in self._pending.items()]
         self.apply(updates)
         if self._outbox is not None:
             self._outbox.extend(updates)
         self._pending.clear()
 
-    def take_updates(self) -> list[tuple[int, int, int, int, tuple[int, ...]]]:
+    def take_updates(self) -> list[Update]:
         """The record's changes since the last call, in order, for the other ranks' records."""
         self._flush()
         if self._outbox is None:

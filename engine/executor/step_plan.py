@@ -35,8 +35,8 @@ class StepPlan:
     check: bool = False                 # integrity on: every rank checks the tables before the forward pass
     seq_ids: list[int] = field(default_factory=list)                # by item
     leases: list[list[int]] = field(default_factory=list)           # by item, the epoch of each table entry
-    # (page, owner, epoch, position and holders if shared)
-    ownership_updates: list[tuple[int, int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    # (page, owner, epoch, position, holders who joined, who left, reset): `engine.executor.integrity.Update`
+    ownership_updates: list[tuple] = field(default_factory=list)
     worker_fault: WorkerFault | None = None
 
     @property
