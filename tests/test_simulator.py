@@ -205,6 +205,35 @@ def test_simulator_replays_the_engines_batches(english_prompts):
     assert sorted((t.request_id, round(t.ttft_s, 9)) for t in result.timings) == engine_ttft
 
 
+def test_conversations_replay_the_engines_batches(english_prompts):
+    """Later turns sent at one instant (their predecessors ended in the same step, with the same think time) reach
+    the engine in the order those ended, as in the simulator, and every turn finds its transcript cached on both
+    sides: the replay forms the engine's batches. Request 1 arrives first and answers one token more than request 0,
+    so they end in one step in the order 1, 0: not their order in the list."""
+    from engine.harness.served_run import ServeRequest, serve_requests
+    from engine.llm import LLM
+
+    llm = LLM(model="smollm2-135m", device="cpu", num_pages=120, page_size=8, max_num_batched_tokens=64,
+              integrity="off")
+    prompts = english_prompts
+    requests = [ServeRequest(0.05, prompts[5], 10), ServeRequest(0.0, prompts[6], 11),
+                ServeRequest(0.0, prompts[2], 8, follows=0, think_s=0.2), ServeRequest(0.0, prompts[3], 8, follows=1,
+                                                                                        think_s=0.2)]
+    served = serve_requests(llm, requests, clock="virtual")
+    ends = {t.request_id: t.finish_s for t in served.timings}
+    assert ends[0] == ends[1] and served.timings[2].arrival_s == served.timings[3].arrival_s
+    sim = Simulation(llm.scheduler_config, replayed_step_time([step.duration_s for step in served.steps]),
+                     record_steps=True)
+    specs = [RequestSpec(0, 0.05, len(prompts[5]), 10, tuple(prompts[5])),
+             RequestSpec(1, 0.0, len(prompts[6]), 11, tuple(prompts[6])),
+             RequestSpec(2, None, len(prompts[5]) + 10 + len(prompts[2]), 8, tuple(prompts[2]), 0, 0.2),
+             RequestSpec(3, None, len(prompts[6]) + 11 + len(prompts[3]), 8, tuple(prompts[3]), 1, 0.2)]
+    result = sim.run(specs)
+    assert [step.batch for step in result.steps] == [step.batch for step in served.steps]
+    cached = {t.request_id: t.cached_tokens for t in result.timings}
+    assert cached == {t.request_id: t.cached_tokens for t in served.timings} and cached[2] > 0 and cached[3] > 0
+
+
 def sparse_step(batch: BatchShape) -> float:
     """A step that prices sparse attention's reads: the selected tokens of each decode, not its context."""
     selected = batch.decode_context_tokens if batch.decode_selected_tokens is None else batch.decode_selected_tokens

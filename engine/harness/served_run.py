@@ -11,6 +11,7 @@ the same machine) is outside the served timeline.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,8 +58,11 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
     if between_steps is not None and clock != "virtual":
         raise ValueError("work between steps would be counted as serving time on the wall clock: use 'virtual'")
     follower = {r.follows: i for i, r in enumerate(requests) if r.follows is not None}
-    due = [(r.arrival_s, i) for i, r in enumerate(requests) if r.follows is None]     # (send time, index), a heap
+    # (send time, order, index), a heap: turns sent at one instant go in the order their predecessors ended, as the
+    # simulator sends them
+    due = [(r.arrival_s, i, i) for i, r in enumerate(requests) if r.follows is None]
     heapq.heapify(due)
+    order = itertools.count(len(requests))
     prompts = {i: r.prompt_token_ids for i, r in enumerate(requests) if r.follows is None}
     timings = [RequestTiming(i, r.arrival_s, len(r.prompt_token_ids)) for i, r in enumerate(requests)]
     index_of: dict[int, int] = {}
@@ -68,7 +72,7 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
     now = 0.0               # step boundaries only: a simulator replaying the durations sees the same instants
     while due or llm.has_unfinished():
         while due and due[0][0] <= now:
-            arrival, i = heapq.heappop(due)
+            arrival, _, i = heapq.heappop(due)
             timings[i].arrival_s, timings[i].prompt_tokens = arrival, len(prompts[i])
             request_id = llm.add_request(prompts.pop(i),
                                          SamplingParams(max_tokens=requests[i].output_tokens, ignore_eos=True))
@@ -102,7 +106,7 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
             if i in follower:
                 after = follower[i]
                 prompts[after] = result.prompt_token_ids + result.token_ids + requests[after].prompt_token_ids
-                heapq.heappush(due, (now + requests[after].think_s, after))
+                heapq.heappush(due, (now + requests[after].think_s, next(order), after))
         if between_steps is not None:
             between_steps(len(steps))
     return ServeResult(timings, steps, llm.num_preemptions - preemptions_before)

@@ -384,8 +384,8 @@ class Simulation:
             self._transcripts[seq.seq_id] = seq.prompt_token_ids + seq.output_token_ids
 
     def _open_arrivals(self, requests: list[RequestSpec]):
-        """Sends each request at its arrival time."""
-        for request in requests:
+        """Sends each request at its arrival time (ties in the order given)."""
+        for request in sorted(requests, key=lambda r: r.arrival_s):
             delay = request.arrival_s - self.env.now
             if delay > 0:
                 yield self.env.timeout(delay)
