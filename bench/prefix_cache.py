@@ -35,11 +35,11 @@ from engine.core.metrics import RequestTiming, summarize
 from engine.core.reference_text import reference_text
 from engine.server.app import serve_subprocess
 from planner.calibration.parameters import Calibration
-from planner.calibration.profile_fit import calibrate, load_profile, profile_costs
-from planner.cost.step_model import step_time
+from planner.calibration.profile_fit import calibrate, load_profile
 from planner.endpoint.client import server_shape
-from planner.simulation.simulator import Simulation, model_step_time
+from planner.simulation.simulator import Simulation
 from planner.simulation.workload import TOKEN_IDS, RequestSpec
+from planner.verification.verify import profile_step_time
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -192,11 +192,7 @@ def make_profile(folder: Path) -> Path:
 
 def predicted(specs: list[RequestSpec], caching: bool, capacity_tokens: int, profile_path: Path) -> dict[str, Any]:
     profile = load_profile(profile_path)
-    calibration = Calibration.of(calibrate(profile, 1e9))
-    params = calibration.measured_parameters if calibration.linears is not None else calibration.parameters
-    costs = profile_costs(profile["model"])
-    model = model_step_time(lambda batch: step_time(costs, calibration.peaks, params, batch, calibration.linears),
-                            costs.index_topk)
+    model = profile_step_time(Calibration.of(calibrate(profile, 1e9)), profile)
     config = SchedulerConfig(num_pages=capacity_tokens // 16, page_size=16, max_model_len=8192,
                              enable_prefix_caching=caching)
     result = Simulation(config, model).run(specs)

@@ -197,10 +197,14 @@ class BlockManager:
         if self._names[page][0] == page_hash:       # the page's own name is wrong: it is published no more
             self._unpublish(page)
 
-    def _unpublish(self, page: int) -> None:
+    def _forget(self, page: int) -> None:
+        """The page's name goes, and its index entry if the entry still points at it."""
         page_hash, _ = self._names.pop(page)
         if self._published.get(page_hash) == page:
             del self._published[page_hash]
+
+    def _unpublish(self, page: int) -> None:
+        self._forget(page)
         if page in self._evictable:
             del self._evictable[page]
             if page not in self.quarantined:
@@ -244,15 +248,15 @@ class BlockManager:
 
     def _share(self, seq_id: int, pages: list[int]) -> None:
         counts, epochs, guard = self._ref_counts, self._epochs, self.guard
+        table, leases = self._tables[seq_id], self._leases[seq_id]
         for page in pages:
             if counts[page] == 0:
                 del self._evictable[page]
             counts[page] += 1
-            table = self._tables[seq_id]
             if guard is not None:
                 guard.shared(seq_id, page, epochs[page], len(table))
             table.append(page)
-            self._leases[seq_id].append(epochs[page])
+            leases.append(epochs[page])
 
     def publish(self, seq_id: int, hashes: list[bytes], keys: list[bytes], num_full: int) -> None:
         """Publishes the sequence's pages up to its `num_full`-th, now full of computed tokens, under their hashes;
@@ -276,9 +280,7 @@ class BlockManager:
         pages = self._free.take(fresh) if fresh > 0 else []
         for _ in range(count - fresh):
             page, _ = self._evictable.popitem(last=False)
-            page_hash, _ = self._names.pop(page)
-            if self._published.get(page_hash) == page:
-                del self._published[page_hash]
+            self._forget(page)
             self.evictions += 1
             pages.append(page)
         return pages

@@ -163,6 +163,11 @@ def pages_filled(table: list[int], start: int, end: int, page_size: int) -> list
     return table[start // page_size:end // page_size]
 
 
+def pages_written(table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """The pages of `table` that positions start..end-1 are written into (none of them may be shared)."""
+    return table[start // page_size:(end - 1) // page_size + 1]
+
+
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     return ceil_div(num_tokens, page_size)
 

@@ -23,8 +23,8 @@ according to the ownership table, not its (untrusted) block table.
 Prefix caching shares pages: a published page's owner is SHARED and its holders are a set (kept on the host,
 and on the device as keys page·2³² + holder, so a table entry of a shared page is checked by one
 `isin`); a shared page also has a position, the same in every table that holds it (its page number in the
-tokens), so a holder's table cannot name it in the wrong place. Shared pages are read-only: a step that would write into a shared page, or into a sealed one, is a
-`shared_write` violation of its request. Their checksums are taken once, when they fill up, and verified on
+tokens), so a holder's table cannot name it in the wrong place. Shared pages are read-only: a step that would
+write into a shared page, or into a sealed one, is a `shared_write` violation of its request. Their checksums are taken once, when they fill up, and verified on
 every read. A page released while others still hold it (`freed_held`) aborts its remaining holders: their
 context is gone.
 """
@@ -37,7 +37,7 @@ import torch
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import INTEGRITY_MODES
-from engine.core.memory import pages_filled
+from engine.core.memory import pages_filled, pages_written
 from engine.core.scheduler import ScheduledSequence
 from engine.executor.step_plan import StepPlan
 from engine.model.kv_cache import PagedKVCache
@@ -290,6 +290,21 @@ class PageRecord:
         self.sealed[index] = True
 
 
+class PendingPage:
+    """A page's change since the record was last written: its owner, epoch and position now, and for a SHARED page
+    the holders who joined and left since (`reset`: a new sharing, whose holders are exactly those who joined)."""
+
+    __slots__ = ("owner", "epoch", "position", "joined", "left", "reset")
+
+    def __init__(self, owner: int, epoch: int, position: int = -1, reset: bool = True) -> None:
+        self.owner, self.epoch, self.position, self.reset = owner, epoch, position, reset
+        self.joined: set[int] = set()
+        self.left: set[int] = set()
+
+    def update(self, page: int) -> Update:
+        return page, self.owner, self.epoch, self.position, tuple(self.joined), tuple(self.left), self.reset
+
+
 class IntegrityChecker(PageRecord):
     """Rank 0's record: the block manager's guard, which the manager reports every grant and release to and
     asks, when freeing a table, which pages the sequence really holds. Under tensor parallelism it also keeps
@@ -299,7 +314,7 @@ class IntegrityChecker(PageRecord):
                  sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
         super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
         self.block_manager = block_manager
-        self._pending: dict[int, list] = {}     # page -> [owner, epoch, position, joined, left, reset], collapsed
+        self._pending: dict[int, PendingPage] = {}
         self._outbox: list[Update] | None = [] if tensor_parallel > 1 else None
         self._sharing: dict[int, tuple[int, int, set[int]]] = {}    # shared page -> (epoch, position, holders)
         self._shared_by: dict[int, set[int]] = {}               # sequence -> the shared pages it holds
@@ -314,19 +329,19 @@ class IntegrityChecker(PageRecord):
             # check, and its cached copy leaves the cache now, before a new request's hit could read what the
             # second owner writes into it
             self.block_manager.quarantine([page])
-        self._pending[page] = [seq_id, epoch, -1, set(), set(), True]
+        self._pending[page] = PendingPage(seq_id, epoch)
 
     def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
         held_at, at, holders = self._sharing.get(page, (epoch, position, set()))
         pending = self._pending.get(page)
         if (held_at, at) != (epoch, position) or page not in self._sharing:     # a new sharing of the page
             holders = set()
-            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), True]
-        elif pending is None or pending[0] != SHARED:
-            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), False]
+            pending = self._pending[page] = PendingPage(SHARED, epoch, position)
+        elif pending is None or pending.owner != SHARED:
+            pending = self._pending[page] = PendingPage(SHARED, epoch, position, reset=False)
         holders.add(seq_id)
-        pending[3].add(seq_id)
-        pending[4].discard(seq_id)
+        pending.joined.add(seq_id)
+        pending.left.discard(seq_id)
         self._sharing[page] = (epoch, position, holders)
         self._shared_by.setdefault(seq_id, set()).add(page)
 
@@ -335,18 +350,18 @@ class IntegrityChecker(PageRecord):
         holders.discard(seq_id)
         self._unlink(seq_id, page)
         pending = self._pending.get(page)
-        if pending is None or pending[0] != SHARED:
-            pending = self._pending[page] = [SHARED, epoch, position, set(), set(), False]
-        if seq_id in pending[3]:
-            pending[3].discard(seq_id)
+        if pending is None or pending.owner != SHARED:
+            pending = self._pending[page] = PendingPage(SHARED, epoch, position, reset=False)
+        if seq_id in pending.joined:
+            pending.joined.discard(seq_id)
         else:
-            pending[4].add(seq_id)
+            pending.left.add(seq_id)
 
     def released(self, page: int, epoch: int) -> None:
         holders = self._drop_sharing(page)
         if len(holders) > 1:        # the last holder releases a shared page; several holders: a bug freed it
             self.violations += [Violation(seq_id, "freed_held", page) for seq_id in sorted(holders)]
-        self._pending[page] = [FREE, epoch, -1, set(), set(), True]
+        self._pending[page] = PendingPage(FREE, epoch)
 
     def _drop_sharing(self, page: int) -> set[int]:
         _, _, holders = self._sharing.pop(page, (0, 0, set()))
@@ -364,8 +379,7 @@ class IntegrityChecker(PageRecord):
     def _flush(self) -> None:
         if not self._pending:
             return
-        updates = [(page, owner, epoch, position, tuple(joined), tuple(left), reset)
-                   for page, (owner, epoch, position, joined, left, reset) in self._pending.items()]
+        updates = [pending.update(page) for page, pending in self._pending.items()]
         self.apply(updates)
         if self._outbox is not None:
             self._outbox.extend(updates)
@@ -422,8 +436,8 @@ class IntegrityChecker(PageRecord):
         manager, page_size = self.block_manager, self.block_manager.page_size
         tables = [(item.seq.seq_id, manager.block_table(item.seq.seq_id), manager.leases(item.seq.seq_id))
                   for item in items]
-        writes = [(seq_id, table[index]) for item, (seq_id, table, _) in zip(items, tables)
-                  for index in range(item.start // page_size, (item.end - 1) // page_size + 1) if index < len(table)]
+        writes = [(seq_id, page) for item, (seq_id, table, _) in zip(items, tables)
+                  for page in pages_written(table, item.start, item.end, page_size)]
         return self.check_tables(tables, writes)
 
     def seal(self, items: list[ScheduledSequence]) -> None:

@@ -212,10 +212,9 @@ class Replica:
                 timing.output_tokens = len(seq.output_token_ids)
                 timing.preemptions = seq.num_preemptions
                 timing.cached_tokens = seq.num_cached_tokens or 0
-                sim.ended(seq)
                 self.unfinished -= 1
                 sim.observe(timing)
-                sim.finished(seq.seq_id)
+                sim.finished(seq)
 
     def decode_window(self):
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
@@ -329,20 +328,23 @@ class Simulation:
     def note_pages(self, pages: int) -> None:
         self.peak_pages = max(self.peak_pages, pages)
 
-    def finished(self, seq_id: int) -> None:
+    def finished(self, seq: Sequence) -> None:
+        """Counts a request done; sends the next turn of its conversation (its prompt this one's prompt and answer,
+        then its own), or a closed-loop user's next request."""
         if self._bar is not None:
             self._bar.update()
         self._finished += 1
         if self._finished == self._expected and not self._done.triggered:
             self._done.succeed()
-        follower = self._followers.pop(seq_id, None)
+        follower = self._followers.pop(seq.seq_id, None)
         if follower is not None:
+            self._transcripts[seq.seq_id] = seq.prompt_token_ids + seq.output_token_ids
             if follower.think_s:
                 self.env.process(self._after(follower.think_s, follower))
             else:
                 self.submit(follower)
         elif self._closed_loop is not None:
-            self._closed_loop(seq_id)
+            self._closed_loop(seq.seq_id)
 
     def _route(self) -> Replica:
         if self.router == "round-robin":
@@ -377,11 +379,6 @@ class Simulation:
         """Hands a request to a replica once the API server has taken its time over it."""
         yield self.env.timeout(self.request_overhead_s)
         self._route().submit(seq)
-
-    def ended(self, seq: Sequence) -> None:
-        """Keeps the transcript of a request that a later turn follows."""
-        if seq.seq_id in self._followers:
-            self._transcripts[seq.seq_id] = seq.prompt_token_ids + seq.output_token_ids
 
     def _open_arrivals(self, requests: list[RequestSpec]):
         """Sends each request at its arrival time (ties in the order given)."""

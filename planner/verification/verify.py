@@ -33,7 +33,13 @@ from planner.calibration.profile_fit import calibrate, load_profile, profile_cos
 from planner.catalog.models import get_model
 from planner.cost.step_model import step_time
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, SimulationResult, model_step_time, replayed_step_time
+from planner.simulation.simulator import (
+    ModelStepTime,
+    Simulation,
+    SimulationResult,
+    model_step_time,
+    replayed_step_time,
+)
 from planner.simulation.workload import RequestSpec, Workload
 from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
@@ -304,14 +310,20 @@ class AtServedSpeed:
         return self.speeds[max(0, bisect.bisect_right(self.starts, self.clock()) - 1)] * self.model(output)
 
 
+def profile_step_time(calibration: Calibration, profile: dict[str, Any]) -> ModelStepTime:
+    """The step model of a profile's calibration, for its own model: with its linears as measured, by row count,
+    where the profile has them."""
+    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
+    if linears is not None:
+        params = calibration.measured_parameters
+    costs = profile_costs(profile["model"])
+    return model_step_time(lambda batch: step_time(costs, peaks, params, batch, linears), costs.index_topk)
+
+
 def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun, specs: list) -> Predictions:
     """The workload through the simulator three ways: priced by the calibration, replaying the engine's own step
     durations (the step model priced beside them), and priced at the machine's measured speed."""
-    params, peaks, linears = calibration.parameters, calibration.peaks, calibration.linears
-    if linears is not None:          # the profiled model itself: its linears as measured, by row count
-        params = calibration.measured_parameters
-    costs = profile_costs(profile["model"])
-    model = model_step_time(lambda batch: step_time(costs, peaks, params, batch, linears), costs.index_topk)
+    model = profile_step_time(calibration, profile)
     simulated = Simulation(run.config, model, record_steps=True).run(list(specs))
     replay_step = replayed_step_time([s.duration_s for s in run.served.steps])
     modelled: list[tuple[str, float]] = []
