@@ -18,7 +18,7 @@ import numpy as np
 from engine.core.metrics import summarize
 from engine.harness.served_run import ServeRequest, serve_requests
 from engine.llm import LLM
-from engine.server.app import serve_subprocess
+from engine.server.launch import serve_subprocess
 from planner.endpoint.client import Client, serve_workload, synthetic_prompt
 from planner.simulation.workload import LengthDistribution, Workload
 

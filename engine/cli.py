@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from engine.core.config import INTEGRITY_MODES, KV_DTYPES, WEIGHT_DTYPES, EngineConfig
 from engine.core.errors import EXIT_BAD_INPUT, ConfigError, EngineError, OneLineParser, RequestError
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20       # engine.server.app's default (the server is imported only to serve)
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--step-trace", default=None, metavar="FILE",
                        help="append every step (start, duration, batch) to FILE as JSON lines")
+    serve.add_argument("--api-key", default=os.environ.get("KVPLAN_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $KVPLAN_API_KEY; without a key "
+                            "serve on loopback only)")
+    serve.add_argument("--metrics-api-key", default=os.environ.get("KVPLAN_METRICS_API_KEY"),
+                       help="require this key on /metrics too (default: $KVPLAN_METRICS_API_KEY; else /metrics is open)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's context)")
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body; larger ones get 413")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds requests in flight may run on after SIGTERM before they are aborted")
+    serve.add_argument("--fault-injection", action="store_true",
+                       help="testing only: POST /debug/faults injects KV-cache integrity faults (the chaos soak)")
     return parser
 
 
@@ -194,16 +210,18 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from engine.harness.fault_campaign import inject
     from engine.llm import LLM
     from engine.server.app import ServerConfig, run_server
 
     config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting,
-                          args.step_trace)
+                          args.step_trace, args.api_key, args.metrics_api_key, args.max_body_bytes,
+                          args.drain_timeout)
     with LLM(engine_config(args, device=args.device, integrity=args.integrity, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)) as llm:
-        print(f"engine: serving {config.model_name!r} on http://{config.host}:{config.port} "
-              f"({llm.capacity_tokens} KV token slots)", file=sys.stderr, flush=True)
-        run_server(llm, config)
+                           max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                           max_model_len=args.max_model_len)) as llm:
+        print(config.startup_notice(llm.capacity_tokens), file=sys.stderr, flush=True)
+        run_server(llm, config, inject if args.fault_injection else None)
 
 
 def main(argv: list[str] | None = None) -> None:

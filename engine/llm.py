@@ -67,6 +67,10 @@ class LLM:
         try:
             loaded = load_model(config.model, self.compute_dtype, self.device, config.seed, config, group)
             self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+            context = self.model_config.max_position_embeddings
+            if config.max_model_len is not None and config.max_model_len > context:
+                raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {context} "
+                                  f"tokens")
             self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu), config.tensor_parallel)
             num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
                                                                 config.page_size)
@@ -78,8 +82,7 @@ class LLM:
         except BaseException:
             self.close()
             raise
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler_config = SchedulerConfig(
             num_pages=num_pages, page_size=config.page_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,

@@ -2,10 +2,12 @@
 
 Names follow Prometheus conventions under a `kvplan_` prefix; `kvplan_cache_config_info` carries the KV pool's
 shape as labels, the way vLLM's `vllm:cache_config_info` does, so the planner can read a server's capacity.
+`kvplan_kv_pages_used` counts the pages requests hold: it is 0 on an idle server, whatever the prefix cache keeps
+(`kvplan_kv_pages_cached`) or an integrity check quarantined (`kvplan_kv_pages_quarantined`).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 
 # latency buckets (seconds): a GPU decode step is milliseconds, a CPU prefill of a long prompt seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
@@ -21,6 +23,8 @@ class ServerMetrics:
         self.running = Gauge("kvplan_requests_running", "Requests in the running batch", registry=registry)
         self.waiting = Gauge("kvplan_requests_waiting", "Requests queued for admission", registry=registry)
         self.pages_used = Gauge("kvplan_kv_pages_used", "KV-cache pages held by requests", registry=registry)
+        self.pages_quarantined = Gauge("kvplan_kv_pages_quarantined", "KV-cache pages taken out of use by an "
+                                       "integrity check (neither free nor held)", registry=registry)
         self.pages_free = Gauge("kvplan_kv_pages_free", "KV-cache pages free", registry=registry)
         self.pages_cached = Gauge("kvplan_kv_pages_cached", "KV-cache pages published in the prefix cache (held or "
                                   "evictable)", registry=registry)
@@ -49,6 +53,7 @@ class ServerMetrics:
         Info("kvplan_cache_config", "The KV pool and batching limits", registry=registry).info(
             {key: str(value) for key, value in cache_config.items()})
         self.capacity.set(int(cache_config["num_pages"]) * int(cache_config["page_size"]))
+        ProcessCollector(registry=registry)     # process_resident_memory_bytes and friends: a soak watches them
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,9 @@
 
 Requests are validated by pydantic with unknown fields forbidden: a misspelt parameter is a 400, never silently
 ignored. `ignore_eos` and `top_k` are the extensions vLLM and SGLang accept too (the planner's load generator
-needs `ignore_eos` to control output lengths); `cache_salt` is vLLM's: requests share cached KV pages only with
+needs `ignore_eos` to control output lengths); `return_token_ids` is vLLM's (the soak compares tokens, not
+text); `n` must be 1 (one choice per request: a client wanting n sends n requests, which share the prompt's
+pages through the prefix cache); `cache_salt` is vLLM's: requests share cached KV pages only with
 requests of the same salt, so tenants that must not learn of each other's prompts (a cache hit shows in the
 time to first token) never do.
 """
@@ -34,7 +36,8 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: Literal[1] = 1
+    n: int = 1
+    return_token_ids: bool = False      # vLLM's: each choice (and stream chunk) also carries its token ids
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)     # vLLM's: only requests of one salt share cached pages
 
@@ -45,6 +48,14 @@ class SamplingFields(BaseModel):
         if stops is not None and (len(stops) > MAX_STOP_STRINGS or any(not s for s in stops)):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {value!r}")
         return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n must be 1, got {value}: this server returns one choice per request; send {value} "
+                             f"requests instead (with prefix caching they share the prompt's KV pages)")
+        return value
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -85,8 +96,9 @@ class ChatRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -108,24 +120,28 @@ class ResponseWriter:
                 "choices": choices}
 
     def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0) -> dict[str, Any]:
+              cached_tokens: int = 0, token_ids: list[int] | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-            body = self._envelope("chat.completion", [choice])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
-                                                       "finish_reason": finish_reason}])
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              token_ids: tuple[int, ...] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
                 {} if text is None else {"content": text})
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta,
-                                                              "finish_reason": finish_reason}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
-                                                   "finish_reason": finish_reason}])
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = list(token_ids)
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
