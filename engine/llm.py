@@ -15,6 +15,7 @@ from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_
 from engine.core.reference_text import reference_text
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
+from engine.core.speculative import NgramProposer, SpeculativeConfig
 from engine.executor.integrity import IntegrityChecker, Violation
 from engine.executor.runner import ModelRunner
 from engine.executor.worker import rank_memory
@@ -52,6 +53,7 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
+        self.proposer = self._proposer(config.speculative_config)
         self.device = resolve_device(config.device)
         on_gpu = self.device.type == "cuda"
         if config.num_threads is not None:
@@ -95,6 +97,8 @@ class LLM:
             config.tensor_parallel)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
                                   self.integrity)
+        self.num_draft_tokens = 0           # speculative tokens verified, and of them those that stood
+        self.num_accepted_tokens = 0
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity_detections = 0       # refused cache hits (`_report_refused_hits`); aborts are counted apart
         if self.kv_cache.is_fp8:
@@ -215,8 +219,34 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _proposer(self, speculative: SpeculativeConfig | None) -> NgramProposer | None:
+        if speculative is None:
+            return None
+        if speculative.method != "ngram":
+            raise ConfigError(f"speculative method {speculative.method!r} is not implemented in the engine yet "
+                              f"(ngram:K is)")
+        return NgramProposer(speculative)
+
+    def _propose(self) -> None:
+        """Drafts for every running sequence about to decode: at most what its max_tokens and the context leave
+        after the token the step samples anyway."""
+        proposer, max_model_len = self.proposer, self.max_model_len
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                seq.draft_token_ids = []
+                continue
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = proposer.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, room)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """The share of verified speculative tokens that stood (None before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
+        if self.proposer is not None:
+            self._propose()
         output = self.scheduler.schedule()
         self.last_output = output
         if self.block_manager.refused_hits:
@@ -227,6 +257,11 @@ class LLM:
         sampled, violations = self.runner.execute(output)
         if violations:
             aborted += self._abort_violating(output, violations)
+        if self.proposer is not None:
+            for item in output.chunks:
+                if item.drafts and item.seq.seq_id in sampled:
+                    self.num_draft_tokens += len(item.drafts)
+                    self.num_accepted_tokens += item.num_accepted
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
@@ -266,6 +301,8 @@ class LLM:
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self.runner.release(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         reason = (seq.finish_reason or FinishReason.ABORT).value
         return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, reason,

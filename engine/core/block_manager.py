@@ -329,6 +329,20 @@ class BlockManager:
         for seq_id in seq_ids:
             self.append(seq_id, num_tokens)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keeps the sequence's first `num_tokens` slots and gives back the rest (rejected speculative drafts): the
+        pages only those slots needed are released, last first."""
+        if not 0 <= num_tokens <= self._num_slots[seq_id]:
+            raise ValueError(f"sequence {seq_id} holds {self._num_slots[seq_id]} slots, cannot keep {num_tokens}")
+        keep = pages_for_tokens(num_tokens, self.page_size)
+        table = self._tables[seq_id]
+        tail = table[keep:]
+        if tail:
+            del table[keep:]
+            del self._leases[seq_id][keep:]
+            self._release(tail[::-1], seq_id)
+        self._num_slots[seq_id] = num_tokens
+
     def _grant(self, seq_id: int, pages: list[int]) -> None:
         counts, epochs = self._ref_counts, self._epochs
         for page in pages:

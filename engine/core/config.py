@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.core.errors import ConfigError
 from engine.core.memory import FLOAT_DTYPES, INT4_GROUP_SIZES
+from engine.core.speculative import SpeculativeConfig
 
 KV_DTYPES = (*FLOAT_DTYPES, "fp8")
 WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
@@ -77,6 +78,7 @@ class EngineConfig:
     # Ranks of tensor parallelism: this process is rank 0 and starts the others (engine.parallel.group).
     tensor_parallel: int = 1
     expert_parallel: bool = False           # routed experts dealt out whole over the tensor-parallel ranks
+    speculative: str | None = None          # speculative decoding, "ngram:K" (engine.core.speculative)
 
     def __post_init__(self) -> None:
         _require(self.integrity in INTEGRITY_MODES,
@@ -107,10 +109,16 @@ class EngineConfig:
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         _require(isinstance(self.expert_parallel, bool),
                  f"expert_parallel must be true or false, got {self.expert_parallel!r}")
+        if self.speculative is not None:
+            SpeculativeConfig.parse(self.speculative)
         _require(self.kv_cache_gib is None or self.kv_cache_gib > 0,
                  f"kv cache size must be positive GiB, got {self.kv_cache_gib!r}")
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return None if self.speculative is None else SpeculativeConfig.parse(self.speculative)
 
     def resolved_compute_dtype(self, on_gpu: bool) -> str:
         """Float weights compute in their dtype; quantized ones in bf16 on a GPU and fp32 on CPU."""

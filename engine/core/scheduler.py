@@ -11,7 +11,10 @@ the step produced. Each step spends a budget of `max_num_batched_tokens`:
 2. then, if nothing was preempted, waiting sequences are admitted in FCFS order while the budget,
    `max_num_seqs` and the free pages allow (a prompt larger than the budget is chunked).
 
-Prefill chunks and decodes share one step.
+Prefill chunks and decodes share one step. A running sequence with speculative drafts (`Sequence.draft_token_ids`,
+set before `schedule`) computes its last token and the drafts in one chunk when the budget and the pool allow it
+(drafts are cut to the budget and dropped rather than preempt anyone); `update` keeps the drafts that stood
+(`ScheduledSequence.accept`) and gives the rest of their slots back (`BlockManager.truncate`).
 
 With prefix caching (`SchedulerConfig.enable_prefix_caching`) a sequence is admitted with the published pages
 of its longest cached prefix (`BlockManager.cached_prefix`) and computes from its first uncached token; at least
@@ -29,23 +32,37 @@ from engine.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class ScheduledSequence:
-    """A sequence in this step: it computes tokens [start, start + num_new_tokens).
+    """A sequence in this step: it computes tokens [start, start + num_new_tokens). With speculative `drafts` it
+    computes its last token and the drafts after it; once the step verified them, `accept` shortens it to the
+    last token and the drafts that stood (`num_accepted`), and `update` gives the other slots back.
 
     A plain slotted class, not a dataclass: hundreds are made per step.
     """
 
-    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples")
+    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples", "drafts", "num_accepted")
 
-    def __init__(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool | None = None) -> None:
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool | None = None,
+                 drafts: tuple[int, ...] = ()) -> None:
         self.seq = seq
         self.start = start
         self.num_new_tokens = num_new_tokens
         self.end = start + num_new_tokens
         # the step reaches the last known token: one is sampled (known at schedule time, told when made later)
-        self.samples = self.end == seq.num_tokens if samples is None else samples
+        self.samples = (self.end == seq.num_tokens or bool(drafts)) if samples is None else samples
+        self.drafts = drafts
+        self.num_accepted = 0
 
     def __repr__(self) -> str:
-        return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens})"
+        drafts = f", drafts={len(self.drafts)}" if self.drafts else ""
+        return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens}{drafts})"
+
+    def accept(self, num_accepted: int) -> None:
+        """The first `num_accepted` drafts stood: the step computed the last token and those."""
+        if not 0 <= num_accepted <= len(self.drafts):
+            raise ValueError(f"{num_accepted} drafts accepted of {len(self.drafts)}")
+        self.num_accepted = num_accepted
+        self.num_new_tokens = 1 + num_accepted
+        self.end = self.start + self.num_new_tokens
 
     @property
     def is_decode(self) -> bool:
@@ -136,7 +153,14 @@ class Scheduler:
         while index < len(running) and budget > 0:
             seq = running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not manager.can_append(seq.seq_id, num_new):
+            drafts = seq.draft_token_ids[:budget - 1] if num_new == 1 else []
+            if drafts and manager.can_append(seq.seq_id, 1 + len(drafts)):
+                manager.append(seq.seq_id, 1 + len(drafts))
+                chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, 1 + len(drafts), True, tuple(drafts)))
+                budget -= 1 + len(drafts)
+                index += 1
+                continue
+            while not manager.can_append(seq.seq_id, num_new):      # drafts never preempt: decode without them
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -173,7 +197,7 @@ class Scheduler:
         """How many of the oldest running sequences, at most `budget`, each need exactly one token (decode)."""
         count = 0
         for seq in self.running:
-            if count == budget or seq.num_tokens - seq.num_computed_tokens != 1:
+            if count == budget or seq.num_tokens - seq.num_computed_tokens != 1 or seq.draft_token_ids:
                 break
             count += 1
         return count
@@ -233,6 +257,17 @@ class Scheduler:
             if self.prefix_caching:
                 self._publish(seq)
 
+    def _take_drafts(self, item: ScheduledSequence, bonus: int) -> bool:
+        """Appends the drafts that stood and the token sampled after them (until one ends the sequence) and gives
+        back the rejected drafts' slots; True if the sequence finished."""
+        seq, max_model_len = item.seq, self.config.max_model_len
+        seq.draft_token_ids = []
+        for token in (*item.drafts[:item.num_accepted], bonus):
+            if seq.append_token(token, max_model_len):
+                return True
+        self.block_manager.truncate(seq.seq_id, item.end)
+        return False
+
     def update(self, output: SchedulerOutput, sampled: dict[int, int] | None) -> list[Sequence]:
         """Advances the scheduled sequences; `sampled` maps seq_id to its new token (None: token 0 for every
         one, as the simulator samples, where lengths alone end requests). Returns the finished."""
@@ -255,7 +290,10 @@ class Scheduler:
             seq.num_computed_tokens = item.end
             if publish:
                 publish(seq)
-            if item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
+            if item.drafts:
+                if self._take_drafts(item, 0 if sampled is None else sampled[seq.seq_id]):
+                    finished.append(seq)
+            elif item.samples and seq.append_token(0 if sampled is None else sampled[seq.seq_id], max_model_len):
                 finished.append(seq)
         if finished:
             ended = {id(seq) for seq in finished}

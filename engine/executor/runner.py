@@ -13,7 +13,7 @@ from engine.core.errors import RequestError
 from engine.core.memory import pages_for_tokens
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.executor.integrity import IntegrityChecker, Violation, agree
-from engine.executor.sampler import sample
+from engine.executor.sampler import sample, verify_drafts
 from engine.executor.step_plan import StepPlan
 from engine.model.architectures.base import DecoderModel
 from engine.model.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
@@ -93,7 +93,11 @@ class ModelRunner:
             seq_id = item.seq.seq_id
             table = self.block_manager.block_table(seq_id)
             plan.seq_ids.append(seq_id)
-            plan.token_ids.extend(item.seq.token_ids_between(item.start, item.end))
+            if item.drafts:         # the last token, then the drafts after it
+                plan.token_ids.extend(item.seq.token_ids_between(item.start, item.start + 1))
+                plan.token_ids.extend(item.drafts)
+            else:
+                plan.token_ids.extend(item.seq.token_ids_between(item.start, item.end))
             span = range(item.start, item.end)
             plan.positions.extend(span)
             plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
@@ -135,21 +139,48 @@ class ModelRunner:
         return logits
 
     def execute(self, output: SchedulerOutput) -> tuple[dict[int, int], list[Violation]]:
-        """Runs the step: the sampled token of every sequence that reached its last token, and the violations
-        another rank found (their sequences did not run; the caller aborts them)."""
+        """Runs the step: the sampled token of every sequence that reached its last token (with drafts: the token
+        after those that stood, which `ScheduledSequence.accept` records), and the violations another rank found
+        (their sequences did not run; the caller aborts them)."""
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
-        logit_rows = [row for row, item in zip(_last_rows(items), items) if item.samples]
+        logit_rows = [row for rows, item in zip(_logit_rows(items), items) if item.samples for row in rows]
         logits, dropped = self.run(self.plan(items, logit_rows))
         sampling = [item for index, item in enumerate(items) if item.samples and index not in dropped]
         if not sampling:
             return {}, list(dropped.values())
-        tokens = sample(logits, [item.seq.params for item in sampling], [self._generator(item) for item in sampling])
+        if any(item.drafts for item in sampling):
+            tokens = self._verify(logits, sampling)
+        else:
+            tokens = sample(logits, [item.seq.params for item in sampling],
+                            [self._generator(item) for item in sampling])
         return {item.seq.seq_id: token for item, token in zip(sampling, tokens)}, list(dropped.values())
 
+    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> list[int]:
+        """A step with drafts: logits hold each item's rows in order (one, or K + 1 with drafts). The plain items
+        sample in one call; each item with drafts verifies them and records how many stood."""
+        starts, row = [], 0
+        for item in sampling:
+            starts.append(row)
+            row += 1 + len(item.drafts)
+        plain = [index for index, item in enumerate(sampling) if not item.drafts]
+        rows = torch.tensor([starts[index] for index in plain], dtype=torch.int64, device=logits.device)
+        tokens = dict(zip(plain, sample(logits[rows], [sampling[i].seq.params for i in plain],
+                                        [self._generator(sampling[i]) for i in plain]))) if plain else {}
+        for index, item in enumerate(sampling):
+            if item.drafts:
+                start = starts[index]
+                accepted, tokens[index] = verify_drafts(logits[start:start + 1 + len(item.drafts)], item.drafts,
+                                                        item.seq.params, self._generator(item))
+                item.accept(accepted)
+        return [tokens[index] for index in range(len(sampling))]
 
-def _last_rows(items: list[ScheduledSequence]) -> list[int]:
-    rows, end = [], 0
+
+def _logit_rows(items: list[ScheduledSequence]) -> list[range]:
+    """The rows of each item whose logits a step wants if it samples: the last; with drafts, the last token's and
+    every draft's."""
+    spans, end = [], 0
     for item in items:
         end += item.num_new_tokens
-        rows.append(end - 1)
-    return rows
+        spans.append(range(end - 1 - len(item.drafts), end))
+    return spans
+

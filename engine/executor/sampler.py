@@ -33,3 +33,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = filter_logits(logits[row], row_params).softmax(-1)
         tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
     return tokens
+
+
+def verify_drafts(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """logits [K + 1, vocab] at a sequence's last token and its K drafts -> (drafts that stand, the token after
+    them). Greedy: a draft stands while it is the target's argmax, so the tokens are those of plain decoding.
+    Sampled: rejection sampling against the deterministic draft (Leviathan et al. 2023 with q a point mass):
+    draft d stands with probability p(d); a rejected one is replaced by a sample of p without d, renormalized;
+    after K standing drafts the next token is sampled from p. Each token then follows the target's p exactly."""
+    if params.greedy:
+        targets = logits.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        return accepted, targets[accepted]
+    for position, draft in enumerate(drafts):
+        probs = filter_logits(logits[position], params).softmax(-1)
+        chance = torch.rand((), generator=generator, device=probs.device)
+        if chance < probs[draft]:
+            continue
+        probs[draft] = 0.0
+        return position, int(torch.multinomial(probs / probs.sum(), 1, generator=generator).item())
+    probs = filter_logits(logits[len(drafts)], params).softmax(-1)
+    return len(drafts), int(torch.multinomial(probs, 1, generator=generator).item())
