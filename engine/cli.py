@@ -38,6 +38,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         help="deal the routed experts out whole over the --tensor-parallel ranks")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="recompute every prompt instead of reusing the KV pages of a prefix computed before")
+    parser.add_argument("--speculative", default=None, metavar="METHOD:K",
+                        help="speculative decoding: ngram:K proposes the K tokens that followed the latest earlier "
+                             "occurrence of the last tokens (prompt lookup)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -116,7 +119,7 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
                         num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
                         tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-                        enable_prefix_caching=args.prefix_caching, **extra)
+                        enable_prefix_caching=args.prefix_caching, speculative=args.speculative, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -136,9 +139,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         if args.prompt is not None and not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         result = llm.generate([prompt], params)[0]
-    _emit({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-           "prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.token_ids)},
-          args.json, result.text)
+    payload = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+               "prompt_tokens": len(result.prompt_token_ids), "completion_tokens": len(result.token_ids)}
+    if args.speculative is not None:
+        payload.update(llm.draft_stats.summary(), acceptance_rate=llm.acceptance_rate)
+    _emit(payload, args.json, result.text)
 
 
 def cmd_info(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_
 from engine.core.reference_text import reference_text
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
-from engine.core.speculative import NgramProposer, SpeculativeConfig
+from engine.core.speculative import DraftStats, NgramProposer, SpeculativeConfig
 from engine.executor.integrity import IntegrityChecker, Violation
 from engine.executor.runner import ModelRunner
 from engine.executor.worker import rank_memory
@@ -97,8 +97,8 @@ class LLM:
             config.tensor_parallel)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
                                   self.integrity)
-        self.num_draft_tokens = 0           # speculative tokens verified, and of them those that stood
-        self.num_accepted_tokens = 0
+        speculative = config.speculative_config
+        self.draft_stats = None if speculative is None else DraftStats(speculative.num_draft_tokens)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity_detections = 0       # refused cache hits (`_report_refused_hits`); aborts are counted apart
         if self.kv_cache.is_fp8:
@@ -239,6 +239,16 @@ class LLM:
             seq.draft_token_ids = proposer.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, room)
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Speculative tokens verified so far."""
+        return 0 if self.draft_stats is None else self.draft_stats.draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of them, those that stood."""
+        return 0 if self.draft_stats is None else self.draft_stats.accepted_tokens
+
+    @property
     def acceptance_rate(self) -> float | None:
         """The share of verified speculative tokens that stood (None before any)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
@@ -257,11 +267,10 @@ class LLM:
         sampled, violations = self.runner.execute(output)
         if violations:
             aborted += self._abort_violating(output, violations)
-        if self.proposer is not None:
-            for item in output.chunks:
-                if item.drafts and item.seq.seq_id in sampled:
-                    self.num_draft_tokens += len(item.drafts)
-                    self.num_accepted_tokens += item.num_accepted
+        if self.draft_stats is not None:
+            self.draft_stats.record(len(output.decodes) + sum(1 for item in output.chunks if item.is_decode),
+                                    [(len(item.drafts), item.num_accepted) for item in output.chunks
+                                     if item.drafts and item.seq.seq_id in sampled])
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]

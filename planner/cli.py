@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--calibration", default=None,
                         help="--endpoint: its calibration (planner calibrate --endpoint)")
     verify.add_argument("--served-model-name", default=None, help="--endpoint: default: the first of /v1/models")
+    verify.add_argument("--speculative", default=None, metavar="ngram:K",
+                        help="--profile: the engine drafts by prompt lookup over prompts that repeat themselves; the "
+                             "simulator draws drafts and acceptance as the engine measured them")
     _workload_options(verify, requests=30)
     verify.add_argument("--kv-cache-gib", type=float, default=None,
                         help="the engine's KV pool in GiB (default 0.25; with --endpoint: the server's, if it was "
@@ -165,7 +168,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
         _verify_endpoint(args, workload)
         return
     result = verify(args.profile, workload, args.kv_cache_gib or 0.25, args.max_num_seqs or 256,
-                    args.max_num_batched_tokens or 2048)
+                    args.max_num_batched_tokens or 2048, speculative=args.speculative)
     report = markdown_report(result)
     if args.out_dir:
         _write_verification(Path(args.out_dir), report, result)
@@ -220,11 +223,17 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
                         help="decode steps in CUDA graphs (default: the catalogue's; off: every kernel launched)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="the engine recomputes every prompt (default: it reuses cached prefix pages)")
+    parser.add_argument("--speculative", default=None, metavar="METHOD:K",
+                        help="speculative decoding: ngram:K (prompt lookup) or mtp:K (the model's MTP layer)")
+    parser.add_argument("--acceptance", default=None, metavar="RATE[,RATE...]",
+                        help="the chance a draft stands once the one before it stood, or one per position "
+                             "(default for mtp: 0.875, the DeepSeek-V3 report's; ngram needs a measured one)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _deployment(args: argparse.Namespace, weights: str, kv: str):
     from planner.deployment.capacity import Deployment
+    from planner.simulation.speculation import Speculation
 
     return Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=weights, kv_dtype=kv,
                       context=args.context, gpu_hour_usd=args.gpu_hour_usd, group_size=args.group_size,
@@ -232,7 +241,9 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       attention_data_parallel=args.attention_dp, utilization=args.utilization,
                       max_num_seqs=args.max_num_seqs, calibration=args.calibration,
                       cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
-                      prefix_caching=args.prefix_caching)
+                      prefix_caching=args.prefix_caching,
+                      speculation=None if args.speculative is None else Speculation.parse(args.speculative,
+                                                                                          args.acceptance))
 
 
 def _pm(bars: dict[str, float | None], figure: str) -> str:
@@ -388,6 +399,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     result = simulate(deployment, workload, args.router, progress=not args.json)
     report = result.report(args.slo_ttft, args.slo_tpot)
     payload = {key: report.get(key) for key in SIMULATE_KEYS}
+    if deployment.speculation is not None:
+        payload["speculative"] = deployment.speculation.describe()
     if args.slo_ttft is not None or args.slo_tpot is not None:
         payload["goodput_requests_per_s"] = report["goodput_requests_per_s"]
     bars = figure_uncertainty(deployment_uncertainty(deployment), payload)

@@ -144,3 +144,26 @@ def test_the_fault_campaign_with_drafts(english_prompts):
               max_num_batched_tokens=96)
     assert_campaign_detects(llm, (prompts, params), OWNERSHIP_FAULTS, 1, seed=9)
     assert llm.num_draft_tokens > 0
+
+
+def test_the_server_counts_drafts_like_vllm():
+    """`engine serve --speculative`: /metrics has the drafts verified and those that stood, and the engine's
+    stats say the same."""
+    import urllib.request
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.server.app import ServerConfig, build_app
+    from engine.server.launch import serve_in_thread
+
+    llm = LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", kv_cache_gib=0.05)
+    with serve_in_thread(build_app(llm, ServerConfig("smollm2-135m"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        client.completions.create(model="smollm2-135m", prompt=f"Repeat exactly: {TEXT * 3}\nRepeat:", max_tokens=24,
+                                  temperature=0, extra_body={"ignore_eos": True})
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            values = {sample.name: sample.value for family in text_string_to_metric_families(response.read().decode())
+                      for sample in family.samples}
+    assert values["kvplan_spec_decode_num_draft_tokens_total"] == llm.num_draft_tokens > 0
+    assert values["kvplan_spec_decode_num_accepted_tokens_total"] == llm.num_accepted_tokens > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 from conftest import REPO, run_cli
@@ -56,6 +57,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     assert (tmp_path / "report.md").read_text().startswith("# Verification: smollm2-135m")
     assert "plotly" in (tmp_path / "figure.html").read_text()
     verify_conversations(profile, capsys)
+    verify_speculative(profile, capsys)
 
 
 def verify_conversations(profile, capsys) -> None:
@@ -77,6 +79,29 @@ def verify_conversations(profile, capsys) -> None:
     assert metrics["cached_tokens"]["measured"] > 24 * 32 and metrics["cached_tokens"]["error_pct"] == 0
     assert payload["replay"]["same_batches"]
     for figure in ("output_tokens_per_s", "ttft_p50_s"):
+        errors = (metrics[figure]["error_pct"], corrected[figure]["error_pct"])
+        assert min(map(abs, errors)) < 15, (figure, errors)
+
+
+def verify_speculative(profile, capsys) -> None:
+    """Issue 34's verification: prompt-lookup drafts over prompts that repeat themselves. The simulator draws drafts
+    and acceptance as the engine measured them (per position, and how many drafts a step proposed); TPOT p50 and
+    output tokens/s within 15% (as measured or drift-corrected)."""
+    args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "4", "--requests", "24",
+            "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48", "--kv-cache-gib", "0.1",
+            "--seed", "1", "--speculative", "ngram:4", "--out-dir", str(Path(profile).parent / "speculative"),
+            "--json"]
+    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    metrics, corrected = payload["metrics"], payload["machine"]["metrics_drift_corrected"]
+    drafted = json.loads((Path(profile).parent / "speculative" / "verification.json").read_text())["speculative"]
+    with capsys.disabled():
+        print(f"\nspeculative ({drafted['planner']}): " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
+              + "; drift-corrected: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in corrected.items()))
+    assert drafted["engine"]["accepted_tokens"] > 0 and drafted["expected_tokens_per_step"] > 1.5
+    for figure in ("output_tokens_per_s", "tpot_p50_s"):
         errors = (metrics[figure]["error_pct"], corrected[figure]["error_pct"])
         assert min(map(abs, errors)) < 15, (figure, errors)
 

@@ -17,8 +17,11 @@ def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     (`index_topk` > 0) also what its indexer scans and its attention reads (`selected_pairs`)."""
     items = output.chunks               # the simulator calls this every step: comprehensions, not a loop body
     decode_ends = [start + 1 for start in output.decode_starts]
-    decode_ends += [item.end for item in items if item.num_new_tokens == 1 and item.start > 0]
-    chunks = [(item.num_new_tokens, item.end) for item in items if item.num_new_tokens != 1 or item.start == 0]
+    decode_ends += [item.end for item in items if item.num_new_tokens == 1 and item.start > 0 and not item.drafts]
+    # a verification of drafts is a chunk of the last token and every draft, whatever stood of them afterwards
+    chunks = [(item.num_new_tokens, item.end) if not item.drafts else
+              (1 + len(item.drafts), item.start + 1 + len(item.drafts))
+              for item in items if item.num_new_tokens != 1 or item.start == 0 or item.drafts]
     return shape_fields(decode_ends, chunks, index_topk)
 
 

@@ -93,3 +93,45 @@ class NgramProposer:
 
     def release(self, seq_id: int) -> None:
         self._indexes.pop(seq_id, None)
+
+
+class DraftStats:
+    """What speculation did, in the terms the planner draws it (`planner.simulation.speculation`): how many drafts
+    each decode verified (0 for a plain decode), and for each draft position how often it was tried (every draft
+    before it stood) and how often it stood."""
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.lengths = [0] * (num_draft_tokens + 1)
+        self.tried = [0] * num_draft_tokens
+        self.stood = [0] * num_draft_tokens
+
+    def record(self, plain_decodes: int, verified: list[tuple[int, int]]) -> None:
+        """One step: its decodes without drafts, and (drafts, of them accepted) of each verification."""
+        self.lengths[0] += plain_decodes
+        for drafts, accepted in verified:
+            self.lengths[drafts] += 1
+            for position in range(min(accepted + 1, drafts)):
+                self.tried[position] += 1
+            for position in range(accepted):
+                self.stood[position] += 1
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(length * count for length, count in enumerate(self.lengths))
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.stood)
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft i stands | every draft before it stood), for the positions tried at least once."""
+        return [stood / tried for stood, tried in zip(self.stood, self.tried) if tried]
+
+    def draft_length_shares(self) -> list[float]:
+        total = sum(self.lengths)
+        return [count / total for count in self.lengths] if total else []
+
+    def summary(self) -> dict[str, object]:
+        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance_by_position": [round(rate, 4) for rate in self.acceptance_by_position()],
+                "draft_length_shares": [round(share, 4) for share in self.draft_length_shares()]}

@@ -93,6 +93,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._preemptions = llm.num_preemptions
         self._prefix_counts = (llm.scheduler.prefix_queried_tokens, llm.scheduler.prefix_hit_tokens)
+        self._draft_counts = (llm.num_draft_tokens, llm.num_accepted_tokens)
 
     async def start(self) -> None:
         if self._step_trace_path:
@@ -310,5 +311,8 @@ class AsyncEngine:
         metrics.prefix_hits.inc(scheduler.prefix_hit_tokens - self._prefix_counts[1])
         self._prefix_counts = (scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens)
         metrics.pages_cached.set(llm.block_manager.num_cached_pages)
+        metrics.draft_tokens.inc(llm.num_draft_tokens - self._draft_counts[0])
+        metrics.accepted_tokens.inc(llm.num_accepted_tokens - self._draft_counts[1])
+        self._draft_counts = (llm.num_draft_tokens, llm.num_accepted_tokens)
 
 

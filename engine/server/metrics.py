@@ -33,6 +33,11 @@ class ServerMetrics:
                                       registry=registry)
         self.prefix_hits = Counter("kvplan_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    registry=registry)
+        # vLLM's spec_decode_num_draft_tokens and spec_decode_num_accepted_tokens: drafts verified, and those that stood
+        self.draft_tokens = Counter("kvplan_spec_decode_num_draft_tokens", "Speculative tokens verified",
+                                    registry=registry)
+        self.accepted_tokens = Counter("kvplan_spec_decode_num_accepted_tokens", "Speculative tokens that stood",
+                                       registry=registry)
         self.capacity = Gauge("kvplan_kv_capacity_tokens", "Token slots of the KV pool", registry=registry)
         self.preemptions = Counter("kvplan_preemptions", "Requests preempted (recomputed later)", registry=registry)
         self.integrity_aborts = Counter("kvplan_integrity_aborts", "Requests aborted by a KV-cache integrity check",

@@ -31,6 +31,7 @@ from planner.cost.memory_plan import (
 )
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.errors import PlannerError
+from planner.simulation.speculation import Speculation
 
 HOURS = 3600.0
 MAX_GPUS_SEARCHED = 1024
@@ -55,6 +56,7 @@ class Deployment:
     calibration: str | None = None
     cuda_graphs: bool | None = None         # decode steps captured in CUDA graphs (None: the catalogue's default)
     prefix_caching: bool = True             # the engine's default, and vLLM's and SGLang's
+    speculation: Speculation | None = None  # speculative decoding (the simulator draws drafts and acceptance)
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:

@@ -13,6 +13,10 @@ With prefix caching (`SchedulerConfig.enable_prefix_caching`) a prompt's tokens 
 with `prompt_ids` has those (after its predecessor's prompt and answer, for a later turn of a session); one without
 shares no page with any other, so that it hits only its own pages (after a preemption), as in the engine.
 
+With speculative decoding (`planner.simulation.speculation`) a decoding sequence proposes drafts before each
+`schedule()` and, after the step, as many stand as the acceptance draws (seeded per replica); the scheduler and
+the block manager verify and roll back as the engine does.
+
 Metrics follow `engine.core.metrics`: a token exists at the end of the step that sampled it.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +41,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import SamplingParams, Sequence
 from planner.cost.step_model import BatchShape
 from planner.errors import PlannerError
+from planner.simulation.speculation import Speculation
 from planner.simulation.workload import RequestSpec, Workload
 
 ROUTERS = ("round-robin", "least-loaded")
@@ -154,9 +160,12 @@ class Replica:
     """One engine: its scheduler and allocator, and the process that steps them."""
 
     def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
-                 sim: Simulation, fast_forward: bool = False) -> None:
+                 sim: Simulation, fast_forward: bool = False, speculation: Speculation | None = None) -> None:
         self.env = env
         self.index = index
+        self.speculation = speculation
+        self.rng = random.Random(index)     # speculative drafts and their acceptance, seeded per replica
+        fast_forward = fast_forward and speculation is None     # a window's decodes would carry drafts
         self.scheduler = Scheduler(config, BlockManager(config.num_pages, config.page_size,
                                                         config.enable_prefix_caching))
         self.sim = sim
@@ -186,17 +195,25 @@ class Replica:
                 continue
             if self.fast_forward and (yield from self.decode_window()):
                 continue
+            if self.speculation is not None:
+                self.propose()
             output = scheduler.schedule()
             if output.is_empty:
                 raise PlannerError("the scheduler formed an empty batch with requests waiting: a request "
                                    "larger than the KV pool")
             start = env.now
             duration = self.step_time(output)
+            if self.speculation is not None and self.speculation.draft_step_share:
+                duration += self.draft_seconds(output)
             self.steps += 1
             yield env.timeout(duration)
             sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
                           len(scheduler.running))
             now = env.now
+            if self.speculation is not None:
+                for item in output.chunks:
+                    if item.drafts:
+                        item.accept(self.speculation.draw_accepted(self.rng, len(item.drafts)))
             # a decode samples its request's first token only when the prompt's last chunk left one token
             first_tokens = [seq for seq in output.decodes if not seq.output_token_ids]
             for seq in first_tokens + [item.seq for item in output.chunks if item.samples]:
@@ -215,6 +232,29 @@ class Replica:
                 self.unfinished -= 1
                 sim.observe(timing)
                 sim.finished(seq)
+
+    def propose(self) -> None:
+        """Drafts (placeholder tokens) for the running sequences about to decode, as many as the speculation draws
+        and their max_tokens and context leave."""
+        speculation, rng, max_model_len = self.speculation, self.rng, self.scheduler.config.max_model_len
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                seq.draft_token_ids = []
+                continue
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = [0] * speculation.draw_drafts(rng, room)
+
+    def draft_seconds(self, output: SchedulerOutput) -> float:
+        """The drafts' own cost in a step: one draft pass per position over the sequences that proposed, each a
+        share of a decode step of those sequences."""
+        drafting = [item for item in output.chunks if item.drafts]
+        if not drafting or not isinstance(self.step_time, ModelStepTime):
+            return 0.0
+        contexts = [item.start + 1 for item in drafting]
+        topk = self.step_time.index_topk
+        selected = sum(min(context, topk) for context in contexts) if topk else 0
+        one_pass = self.step_time.decodes(len(drafting), sum(contexts), max(contexts), selected)
+        return self.speculation.draft_step_share * max(len(item.drafts) for item in drafting) * one_pass
 
     def decode_window(self):
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
@@ -274,7 +314,7 @@ class Simulation:
     def __init__(self, config: SchedulerConfig, step_time: StepTime, replicas: int = 1,
                  router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
                  give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True,
-                 request_overhead_s: float = 0.0) -> None:
+                 request_overhead_s: float = 0.0, speculation: Speculation | None = None) -> None:
         """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
         says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
         stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form).
@@ -297,7 +337,7 @@ class Simulation:
         self.step_count = 0
         self.router = router
         self._round_robin = itertools.cycle(range(replicas))
-        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps)
+        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps, speculation)
                          for i in range(replicas)]
         self._closed_loop: Callable[[int], None] | None = None
         self._followers: dict[int, RequestSpec] = {}        # a session's next turn, by the request it follows

@@ -11,14 +11,16 @@ if TYPE_CHECKING:
     from engine.llm import LLM
 
 
-def english_prompts(tokenizer, lengths: list[int], vocab_size: int) -> list[list[int]]:
+def english_prompts(tokenizer, lengths: list[int], vocab_size: int, repeating: bool = False) -> list[list[int]]:
     """Prompts of the requested lengths cut one after another from a fixed English text (a model without a
-    tokenizer, random weights: from fixed pseudo-random token ids)."""
+    tokenizer, random weights: from fixed pseudo-random token ids); `repeating`: each its first half said twice,
+    as in a request to rewrite given text, where prompt lookup finds what comes next."""
     ids = reference_ids(tokenizer, vocab_size, max(lengths, default=0) * 4)
     try:
-        return cut_prompts(ids, lengths)
+        prompts = cut_prompts(ids, [(length + 1) // 2 if repeating else length for length in lengths])
     except ValueError as error:
         raise PlannerError(str(error)) from None
+    return [(prompt * 2)[:length] for prompt, length in zip(prompts, lengths)] if repeating else prompts
 
 
 def engine_of(fingerprint: dict[str, Any], kv_cache_gib: float, **overrides: Any) -> LLM:

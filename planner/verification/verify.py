@@ -40,6 +40,7 @@ from planner.simulation.simulator import (
     model_step_time,
     replayed_step_time,
 )
+from planner.simulation.speculation import Speculation
 from planner.simulation.workload import RequestSpec, Workload
 from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
@@ -185,7 +186,10 @@ class DriftProbes:
 
 
 def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, max_num_seqs: int = 256,
-           max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
+           max_num_batched_tokens: int = 2048, max_mape: float = 1e9, speculative: str | None = None) -> dict[str, Any]:
+    """The workload through the engine and through the simulator on the profile's calibration, compared. With
+    `speculative` ("ngram:K") the engine drafts by prompt lookup over prompts that repeat themselves, and the
+    simulator draws drafts and their acceptance as the engine measured them."""
     from engine.core.profile_format import engine_version
 
     profile = load_profile(profile_path)
@@ -199,7 +203,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     if any(spec.arrival_s is None and spec.follows is None for spec in specs):
         raise PlannerError("verification needs arrival times: use a poisson, gamma or trace workload")
     engine = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    run = _serve(profile, specs, kv_cache_gib, engine)
+    run = _serve(profile, specs, kv_cache_gib, engine, speculative)
     served, speeds = run.served, run.speeds
     predicted = _predict(calibration, profile, run, run.specs)
     measured = summarize(served.timings)
@@ -224,9 +228,13 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     machine = {**run.probes.report(speeds), "cpu_steal_pct": run.steal_pct,
                "metrics_drift_corrected": {name: compared(predicted.drift_corrected[name], measured[name])
                                            for name in TIMING_METRICS}}
-    return {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
-            "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
-            "engine": {"kv_cache_gib": kv_cache_gib, **engine, "capacity_tokens": run.capacity_tokens}}
+    result = {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
+              "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
+              "engine": {"kv_cache_gib": kv_cache_gib, **engine, "capacity_tokens": run.capacity_tokens}}
+    if run.speculation is not None:
+        result["speculative"] = {"engine": run.draft_summary, "planner": run.speculation.describe(),
+                                 "expected_tokens_per_step": run.speculation.expected_tokens_per_step}
+    return result
 
 
 @dataclass
@@ -240,20 +248,23 @@ class VerifiedRun:
     config: SchedulerConfig             # the engine's
     capacity_tokens: int
     specs: list[RequestSpec]            # the workload's requests with the token ids the engine was given
+    speculation: Speculation | None = None      # the engine's drafts and acceptance, as the simulator draws them
+    draft_summary: dict[str, Any] | None = None
 
 
-def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int]) -> VerifiedRun:
+def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int],
+           speculative: str | None = None) -> VerifiedRun:
     """The workload through an engine configured as the profiled one, a second engine timing the profile's own
     steps again between the served steps (drift probes)."""
     from engine.harness.profiler import Profiler, SweepPlan
     from engine.harness.served_run import serve_requests
 
     fingerprint = profile["fingerprint"]
-    llm = engine_of(fingerprint, kv_cache_gib, **engine)
+    llm = engine_of(fingerprint, kv_cache_gib, speculative=speculative, **engine)
     reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
-        requests, specs = _engine_requests(specs, llm)
+        requests, specs = _engine_requests(specs, llm, repeating=speculative is not None)
         if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
             profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
         else:
@@ -266,17 +277,24 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
         probes.complete()
         steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
-    return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs)
+    stats = llm.draft_stats
+    speculation = None if stats is None else Speculation(
+        "ngram", llm.config.speculative_config.num_draft_tokens, tuple(stats.acceptance_by_position()) or (0.0,),
+        tuple(stats.draft_length_shares()))
+    return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs, speculation,
+                       None if stats is None else stats.summary())
 
 
-def _engine_requests(specs: list[RequestSpec], llm: LLM) -> tuple[list[ServeRequest], list[RequestSpec]]:
+def _engine_requests(specs: list[RequestSpec], llm: LLM,
+                     repeating: bool = False) -> tuple[list[ServeRequest], list[RequestSpec]]:
     """The engine's requests: prompts of the workload's own token identities where it has them (shared prefixes,
-    conversations: ids every vocabulary has), else cut from English text; and the specs with those very ids, so
-    that the simulator's prefix cache sees what the engine's does."""
+    conversations: ids every vocabulary has), else cut from English text (`repeating`: text said twice, which
+    prompt lookup finds); and the specs with those very ids, so that the simulator's prefix cache sees what the
+    engine's does."""
     from engine.harness.served_run import ServeRequest
 
     plain = [spec.prompt_tokens for spec in specs if spec.prompt_ids is None]
-    cut = iter(english_prompts(llm.tokenizer, plain, llm.model_config.vocab_size) if plain else [])
+    cut = iter(english_prompts(llm.tokenizer, plain, llm.model_config.vocab_size, repeating) if plain else [])
     index = {spec.request_id: i for i, spec in enumerate(specs)}
     requests, identified = [], []
     for spec in specs:
@@ -324,7 +342,8 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
     """The workload through the simulator three ways: priced by the calibration, replaying the engine's own step
     durations (the step model priced beside them), and priced at the machine's measured speed."""
     model = profile_step_time(calibration, profile)
-    simulated = Simulation(run.config, model, record_steps=True).run(list(specs))
+    speculation = run.speculation
+    simulated = Simulation(run.config, model, record_steps=True, speculation=speculation).run(list(specs))
     replay_step = replayed_step_time([s.duration_s for s in run.served.steps])
     modelled: list[tuple[str, float]] = []
 
@@ -332,9 +351,9 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
         modelled.append((regime_of(batch_shape(output)), model(output)))
         return replay_step(output)
 
-    replayed = Simulation(run.config, replay_and_model, record_steps=True).run(list(specs))
+    replayed = Simulation(run.config, replay_and_model, record_steps=True, speculation=speculation).run(list(specs))
     at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
-    corrected = Simulation(run.config, at_served_speed)
+    corrected = Simulation(run.config, at_served_speed, speculation=speculation)
     at_served_speed.clock = lambda: corrected.env.now
     return Predictions(simulated.report(), _cached_by_request(simulated, specs), replayed, modelled,
                        corrected.run(list(specs)).report())

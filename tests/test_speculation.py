@@ -1,0 +1,100 @@
+"""The planner's speculative decoding: expected tokens a step, the simulator's draws against them, the engine's
+scheduler verifying and rolling back inside the simulation, and when speculation stops paying."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from engine.core.config import SchedulerConfig
+from engine.core.speculative import DraftStats
+from planner.cost.step_model import BatchShape
+from planner.errors import PlannerError
+from planner.simulation.simulator import Simulation, model_step_time
+from planner.simulation.speculation import MTP_ACCEPTANCE, Speculation
+from planner.simulation.workload import LengthDistribution, Workload
+
+
+def test_expected_tokens_per_step():
+    assert Speculation("mtp", 1, (0.875,)).expected_tokens_per_step == pytest.approx(1.875)
+    rate = 0.8
+    assert Speculation("ngram", 4, (rate,)).expected_tokens_per_step == pytest.approx(
+        sum(rate ** i for i in range(5)))
+    per_position = Speculation("ngram", 3, (0.9, 0.5, 0.5))
+    assert per_position.expected_tokens_per_step == pytest.approx(1 + 0.9 + 0.45 + 0.225)
+    lengths = Speculation("ngram", 2, (1.0,), (0.5, 0.0, 0.5))      # half the steps propose nothing
+    assert lengths.expected_tokens_per_step == pytest.approx(0.5 * 1 + 0.5 * 3)
+
+
+def test_parse_and_refusals():
+    assert Speculation.parse("mtp:1").acceptance == (MTP_ACCEPTANCE,)
+    assert Speculation.parse("ngram:3", "0.9,0.7").acceptance == (0.9, 0.7)
+    for text, acceptance, needle in (("ngram:3", None, "needs --acceptance"), ("eagle:2", "0.5", "method"),
+                                     ("mtp", None, "METHOD:K"), ("mtp:1", "x", "--acceptance"),
+                                     ("mtp:1", "1.2", "[0, 1]"), ("mtp:40", None, "1..16")):
+        with pytest.raises(PlannerError, match=needle):
+            Speculation.parse(text, acceptance)
+
+
+def test_draws_follow_the_rates():
+    speculation = Speculation("ngram", 3, (0.9, 0.6, 0.3), (0.2, 0.1, 0.1, 0.6))
+    rng = random.Random(0)
+    stats = DraftStats(3)
+    for _ in range(50_000):
+        drafts = speculation.draw_drafts(rng, room=10)
+        if drafts:
+            stats.record(0, [(drafts, speculation.draw_accepted(rng, drafts))])
+        else:
+            stats.record(1, [])
+    assert stats.acceptance_by_position() == pytest.approx([0.9, 0.6, 0.3], abs=0.015)
+    assert stats.draft_length_shares() == pytest.approx([0.2, 0.1, 0.1, 0.6], abs=0.01)
+    assert speculation.draw_drafts(rng, room=1) <= 1
+
+
+def memory_bound_step(batch: BatchShape) -> float:
+    """A toy GPU: a step reads the weights once (10 ms) unless its tokens' compute (40 us each) takes longer."""
+    return max(0.010, 4e-5 * batch.new_tokens) + 1e-3
+
+
+def run(users: int, speculation: Speculation | None) -> dict:
+    config = SchedulerConfig(num_pages=4000, page_size=16, max_num_seqs=256, max_num_batched_tokens=4096,
+                             max_model_len=4096)
+    workload = Workload("closed", users * 4, users=users, prompt=LengthDistribution("fixed", value=64),
+                        output=LengthDistribution("fixed", value=64), seed=1)
+    simulation = Simulation(config, model_step_time(memory_bound_step), speculation=speculation, record_steps=False)
+    result = simulation.run(workload)
+    for replica in simulation.replicas:
+        replica.scheduler.block_manager.check_invariants()
+        assert replica.scheduler.block_manager.num_used_pages == 0       # every rolled-back slot given back
+    return {**result.report(), "output_tokens": sum(timing.output_tokens for timing in result.timings)}
+
+
+def test_speculation_pays_at_low_concurrency_and_not_at_high():
+    speculation = Speculation("mtp", 3, (0.8,))
+    alone, drafted = run(2, None), run(2, speculation)
+    assert drafted["output_tokens"] == alone["output_tokens"] == 2 * 4 * 64       # lengths are kept exactly
+    speed_up = drafted["output_tokens_per_s"] / alone["output_tokens_per_s"]
+    assert 1.8 < speed_up < speculation.expected_tokens_per_step + 0.2         # memory-bound: near E[tokens]
+    busy, busy_drafted = run(200, None), run(200, speculation)
+    assert busy_drafted["output_tokens_per_s"] < busy["output_tokens_per_s"]     # compute-bound: K+1 rows cost
+
+
+def test_simulate_cli_takes_speculation():
+    def simulate(*extra: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "planner.cli", "simulate", "--model", "deepseek-v3", "--hardware",
+                               "h200", "--gpus", "8", "--workload", "closed", "--users", "2", "--requests", "12",
+                               "--json", *extra], capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    plain, mtp = simulate(), simulate("--speculative", "mtp:1")
+    assert mtp["speculative"].startswith("mtp:1 (acceptance 0.875")
+    assert mtp["tpot_p50_s"] < plain["tpot_p50_s"]
+    refused = subprocess.run([sys.executable, "-m", "planner.cli", "simulate", "--model", "llama-3.1-8b", "--hardware",
+                              "h100-sxm", "--gpus", "1", "--rate", "1", "--requests", "4", "--speculative", "mtp:1"],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert refused.returncode == 2 and "no multi-token-prediction layer" in refused.stderr
