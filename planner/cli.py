@@ -265,6 +265,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         summary["max_concurrency_shared_prefix"] = result.plan.max_concurrency(
             min(args.context, result.plan.max_position_embeddings),
             args.shared_prefix if args.prefix_caching else 0)
+    gain = None
+    if result.deployment.speculation is not None and result.fits:
+        from planner.deployment.speculative_plan import speculative_gain
+
+        gain = speculative_gain(result, result.deployment.speculation)
+        summary["speculative"] = gain.summary()
     if args.json:
         print(json.dumps(summary))
         return
@@ -285,6 +291,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
               f"  {'prefill':22s} {summary['prefill_tokens_per_s']:.1f} tokens/s{_pm(bars, 'prefill_tokens_per_s')}",
               f"  {'cost':22s} {summary['cost_per_million_tokens']} USD per million output tokens"
               f"{_pm(bars, 'cost_per_million_tokens')} at {result.gpu_hour_usd} USD/GPU-hour"]
+    if gain is not None:
+        spec = summary["speculative"]
+        lines.append(f"  {'speculative':22s} {spec['config']}: single stream {spec['single_stream_decode_tokens_per_s']:.1f}"
+                     f" tokens/s (x{spec['single_stream_speedup']}), "
+                     + (f"stops paying at a batch of {gain.stops_paying_at}" if gain.stops_paying_at else
+                        "pays at every batch up to the deployment's"))
     if not bars:
         lines.append("  (uncalibrated defaults: these figures carry no error bar)")
     lines += [f"note: {note}" for note in result.all_notes]

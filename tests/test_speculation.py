@@ -98,3 +98,21 @@ def test_simulate_cli_takes_speculation():
                               "h100-sxm", "--gpus", "1", "--rate", "1", "--requests", "4", "--speculative", "mtp:1"],
                              capture_output=True, text=True, cwd=REPO, timeout=300)
     assert refused.returncode == 2 and "no multi-token-prediction layer" in refused.stderr
+
+
+def test_plan_says_where_speculation_stops_paying():
+    from planner.deployment.capacity import Deployment, evaluate
+    from planner.deployment.speculative_plan import speculative_gain
+
+    capacity = evaluate(Deployment(model="deepseek-v3", hardware="h200", gpus=8))
+    gain = speculative_gain(capacity, Speculation.parse("mtp:1"))
+    batch, plain, drafted = gain.by_batch[0]
+    assert batch == 1 and 1.3 < drafted / plain < 1.875             # memory-bound: close to E[tokens], never above
+    assert gain.stops_paying_at is not None
+    for batch, plain, drafted in gain.by_batch:
+        assert (drafted < plain) == (batch >= gain.stops_paying_at)    # one crossover
+    done = subprocess.run([sys.executable, "-m", "planner.cli", "plan", "--model", "deepseek-v3", "--hardware", "h200",
+                           "--gpus", "8", "--speculative", "mtp:1", "--json"], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["speculative"]["stops_paying_at_batch"] == gain.stops_paying_at

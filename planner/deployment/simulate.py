@@ -8,12 +8,11 @@ from typing import Any
 
 from engine.core.config import SchedulerConfig
 from engine.core.metrics import RequestTiming
-from engine.core.spec import ModelSpec
-from planner.catalog.models import get_model
 from planner.cost.memory_plan import (
     MemoryPlan,
 )
 from planner.deployment.capacity import Deployment, evaluate
+from planner.deployment.speculative_plan import with_draft_cost
 from planner.errors import PlannerError
 from planner.simulation.simulator import Simulation, SimulationResult, StepTime, model_step_time
 from planner.simulation.speculation import Speculation
@@ -37,24 +36,13 @@ class SimulationSetup:
                           speculation=self.speculation, **options)
 
 
-def mtp_draft_share(model: ModelSpec) -> float:
-    """One MTP draft as a share of a decode step: the module's layer and the output head it shares (about a layer's
-    bytes on the big MoE models), over the model's layers."""
-    if not model.mtp_layers:
-        raise PlannerError(f"{model.name} has no multi-token-prediction layer (num_nextn_predict_layers): use "
-                           f"--speculative ngram:K")
-    return 2.0 / model.num_layers
-
-
 def simulation_setup(deployment: Deployment) -> SimulationSetup:
     result = evaluate(deployment)
     plan = result.plan
     if plan.kv_pages_per_replica <= 0:
         raise PlannerError(f"{deployment.model} leaves no room for a KV cache on {deployment.gpus} x "
                            f"{deployment.hardware} with {deployment.weights} weights")
-    speculation = deployment.speculation
-    if speculation is not None and speculation.method == "mtp" and not speculation.draft_step_share:
-        speculation = replace(speculation, draft_step_share=mtp_draft_share(get_model(deployment.model)))
+    speculation = deployment.speculation and with_draft_cost(deployment.speculation, deployment.model)
     return SimulationSetup(scheduler_config(plan, deployment), model_step_time(result.step_seconds, result.index_topk),
                            plan.parallel.replicas, result.request_overhead_s, speculation)
 
