@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--output-tokens", default=None, help="as --prompt-tokens")
     search.add_argument("--requests", type=int, default=200, help="requests each simulation runs")
     _prefix_options(search)
+    search.add_argument("--speculative", default=None, metavar="METHOD:K",
+                        help="also try every candidate with speculative decoding (ngram:K or mtp:K)")
+    search.add_argument("--acceptance", default=None, metavar="RATE[,RATE...]",
+                        help="with --speculative: per-position acceptance (mtp default: 0.875)")
     search.add_argument("--seed", type=int, default=0)
     search.add_argument("--hardware", default="h100-sxm,h200,b200", help="comma-separated GPU kinds")
     search.add_argument("--max-gpus", type=int, default=8, help="largest tensor-parallel group (powers of two)")
@@ -446,6 +450,7 @@ def cmd_search(args: argparse.Namespace) -> None:
         run_search,
     )
     from planner.search.executors import DEFAULT_CACHE, ResultCache
+    from planner.simulation.speculation import Speculation
     from planner.simulation.workload import LengthDistribution
 
     slo = Slo.parse(args.slo)
@@ -456,7 +461,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     space = SearchSpace(args.model, _csv(args.hardware), args.max_gpus,
                         _csv(args.weights) if args.weights else DEFAULT_WEIGHTS,
                         _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
-                        explicit_formats=bool(args.weights or args.kv))
+                        explicit_formats=bool(args.weights or args.kv),
+                        speculation=Speculation.parse(args.speculative, args.acceptance) if args.speculative else None)
     cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
     workload = replace(preset_workload(args.workload, args.requests, args.seed,
                                        LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
@@ -494,6 +500,14 @@ def cmd_search(args: argparse.Namespace) -> None:
         lines += ["", f"{args.target_rate:g} requests/s: " + (
             f"{fleet['replicas']} x [{fleet['configuration']}], {fleet['gpus']} GPUs, {fleet['usd_per_hour']} USD/h"
             if fleet else "no configuration meets the SLOs")]
+    verdict = payload.get("speculative")
+    if verdict:
+        lines += ["", f"speculative decoding ({args.speculative}): the cheapest configuration "
+                      f"{'drafts' if verdict['best_drafts'] else 'does not draft'}"
+                  + (f"; for {verdict['configuration']} drafting "
+                     + (f"stops paying at a batch of {verdict['stops_paying_at_batch']}"
+                        if verdict["stops_paying_at_batch"] else "pays at every batch up to its max_num_seqs")
+                     + f" (single stream x{verdict['single_stream_speedup']})" if "configuration" in verdict else "")]
     print("\n".join(lines))
 
 

@@ -116,3 +116,20 @@ def test_plan_says_where_speculation_stops_paying():
                           cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["speculative"]["stops_paying_at_batch"] == gain.stops_paying_at
+
+
+def test_search_tries_speculation_beside_plain_decoding(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "planner.cli", "search", "--model", "llama-3.1-8b", "--hardware",
+                           "h100-sxm", "--max-gpus", "1", "--weights", "bf16", "--kv", "fp8", "--max-num-seqs", "64",
+                           "--chunks", "2048", "--requests", "40", "--speculative", "ngram:3", "--acceptance", "0.7",
+                           "--slo", "tpot_p99_s=0.05", "--cache-dir", str(tmp_path), "--workers", "1", "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    drafted = {row["speculative"] is not None for row in payload["ranked"]}
+    assert drafted == {True, False}                  # every candidate with and without drafts
+    commands = {item["configuration"]: item for item in payload["deploy"]}
+    assert any('"method": "ngram", "num_speculative_tokens": 3' in item["vllm"]
+               and "--speculative-algorithm NGRAM" in item["sglang"] for item in commands.values())
+    verdict = payload["speculative"]
+    assert verdict["configuration"].endswith("ngram:3") and verdict["single_stream_speedup"] > 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from engine.core.metrics import RequestTiming
@@ -29,8 +29,10 @@ from planner.catalog.models import get_model, repository
 from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import HOURS, Deployment, deployment_uncertainty, evaluate, figure_uncertainty
 from planner.deployment.simulate import simulation_setup
+from planner.deployment.speculative_plan import speculative_gain
 from planner.errors import PlannerError
 from planner.search.executors import ResultCache, run_tasks
+from planner.simulation.speculation import Speculation
 from planner.simulation.workload import LengthDistribution, RequestSpec, Workload
 
 SLO_METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "e2e_p50_s",
@@ -117,6 +119,7 @@ class SearchSpace:
     chunk_budgets: tuple[int, ...] = DEFAULT_CHUNKS
     explicit_formats: bool = False      # the user named the formats: NVFP4 off Blackwell is then an error
     prefix_caching: tuple[bool, ...] | None = None     # None: with and without where prompts share prefixes
+    speculation: Speculation | None = None      # tried beside plain decoding on every candidate
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_gpus, int) or self.max_gpus <= 0:
@@ -161,6 +164,9 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
                                                             tensor_parallel=gpus, expert_parallel=expert_parallel,
                                                             max_num_seqs=seqs, max_num_batched_tokens=chunk,
                                                             prefix_caching=cached))
+    if space.speculation is not None:
+        found = [drafted for deployment in found for drafted in (deployment, replace(deployment,
+                                                                                       speculation=space.speculation))]
     return found
 
 
@@ -328,7 +334,8 @@ class Ranked:
     def name(self) -> str:
         d = self.deployment
         return (f"{d.gpus}x{d.hardware} tp{d.gpus}{' ep' if d.expert_parallel else ''} {d.weights}/kv {d.kv_dtype} "
-                f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}{'' if d.prefix_caching else ' no-cache'}")
+                f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}{'' if d.prefix_caching else ' no-cache'}"
+                + (f" {d.speculation.method}:{d.speculation.num_draft_tokens}" if d.speculation else ""))
 
     def row(self) -> dict[str, Any]:
         d = self.deployment
@@ -336,6 +343,7 @@ class Ranked:
                 "expert_parallel": d.expert_parallel, "weights": d.weights, "kv_dtype": d.kv_dtype,
                 "max_num_seqs": d.max_num_seqs, "max_num_batched_tokens": d.max_num_batched_tokens,
                 "prefix_caching": d.prefix_caching, "prefix_cache_hit_rate": self.report.get("prefix_cache_hit_rate"),
+                "speculative": d.speculation.describe() if d.speculation else None,
                 "max_rate_rps": round(self.rate, 4), "tokens_per_s_per_gpu": round(self.tokens_per_s_per_gpu, 2),
                 "tokens_per_s_per_user": None if self.tokens_per_s_per_user is None
                 else round(self.tokens_per_s_per_user, 2),
@@ -378,7 +386,21 @@ class SearchResult:
         return {"enumerated": self.enumerated, "pruned": len(self.pruned), "simulated": self.simulated,
                 "cached": self.cached, "met_slo": len(rows), "ranked": rows, "pareto": [r.row() for r in self.pareto()],
                 "deploy": [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in self.ranked[:top]],
+                "speculative": self.speculative_verdict(),
                 "note": None if rows else f"nothing meets these SLOs; the closest: {self.closest()}"}
+
+    def speculative_verdict(self) -> dict[str, Any] | None:
+        """With speculation in the space: whether the cheapest configuration drafts, and, for the cheapest one that
+        does, the batch at which drafting stops paying (`planner.deployment.speculative_plan`)."""
+        if self.space.speculation is None or not self.ranked:
+            return None
+        drafting = next((r for r in self.ranked if r.deployment.speculation is not None), None)
+        verdict: dict[str, Any] = {"best_drafts": self.ranked[0].deployment.speculation is not None}
+        if drafting is not None:
+            gain = speculative_gain(evaluate(drafting.deployment), self.space.speculation)
+            verdict |= {"configuration": drafting.name(), "stops_paying_at_batch": gain.stops_paying_at,
+                        "single_stream_speedup": gain.summary()["single_stream_speedup"]}
+        return verdict
 
     def closest(self) -> str:
         """What comes nearest when nothing meets the SLOs."""
@@ -444,6 +466,13 @@ def deploy_commands(deployment: Deployment) -> dict[str, str]:
     if not d.prefix_caching:
         vllm.append("--no-enable-prefix-caching")
         sglang.append("--disable-radix-cache")
+    if d.speculation is not None:
+        k = d.speculation.num_draft_tokens
+        method = "deepseek_mtp" if d.speculation.method == "mtp" else "ngram"
+        vllm.append(f"--speculative-config '{{\"method\": \"{method}\", \"num_speculative_tokens\": {k}}}'")
+        sglang.append(f"--speculative-algorithm EAGLE --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                      f"--speculative-num-draft-tokens {k + 1}" if d.speculation.method == "mtp" else
+                      f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {k + 1}")
     vllm += [f"--max-num-seqs {d.max_num_seqs}", f"--max-num-batched-tokens {d.max_num_batched_tokens}",
              f"--max-model-len {d.context}", f"--gpu-memory-utilization {d.utilization}"]
     sglang += [f"--max-running-requests {d.max_num_seqs}", f"--chunked-prefill-size {d.max_num_batched_tokens}",
@@ -465,8 +494,8 @@ def run_search(space: SearchSpace, workload: Workload, slo: Slo, executor: str =
         if reason:
             pruned.append((deployment, reason))
         else:
-            limits_aside = tuple((name, value) for name, value in asdict(deployment).items()
-                                 if name not in ("max_num_seqs", "max_num_batched_tokens"))
+            limits_aside = tuple((field.name, getattr(deployment, field.name)) for field in fields(deployment)
+                                 if field.name not in ("max_num_seqs", "max_num_batched_tokens"))
             siblings.setdefault(limits_aside, []).append((deployment, estimate))
     tasks = [Task(tuple(d for d, _ in group), workload, slo, tuple(e for _, e in group), bisections)
              for group in siblings.values()]
