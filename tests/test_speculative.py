@@ -2,6 +2,7 @@
 and page accounting through rollbacks (chunked prefill, preemption, integrity checks, the fault campaign)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -146,7 +147,7 @@ def test_the_fault_campaign_with_drafts(english_prompts):
     assert llm.num_draft_tokens > 0
 
 
-def test_the_server_counts_drafts_like_vllm():
+def test_the_server_counts_drafts_like_vllm(tmp_path):
     """`engine serve --speculative`: /metrics has the drafts verified and those that stood, and the engine's
     stats say the same."""
     import urllib.request
@@ -158,7 +159,8 @@ def test_the_server_counts_drafts_like_vllm():
     from engine.server.launch import serve_in_thread
 
     llm = LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", kv_cache_gib=0.05)
-    with serve_in_thread(build_app(llm, ServerConfig("smollm2-135m"))) as url:
+    trace = tmp_path / "steps.jsonl"
+    with serve_in_thread(build_app(llm, ServerConfig("smollm2-135m", step_trace=str(trace)))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client.completions.create(model="smollm2-135m", prompt=f"Repeat exactly: {TEXT * 3}\nRepeat:", max_tokens=24,
                                   temperature=0, extra_body={"ignore_eos": True})
@@ -167,3 +169,6 @@ def test_the_server_counts_drafts_like_vllm():
                       for sample in family.samples}
     assert values["kvplan_spec_decode_num_draft_tokens_total"] == llm.num_draft_tokens > 0
     assert values["kvplan_spec_decode_num_accepted_tokens_total"] == llm.num_accepted_tokens > 0
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(step.get("drafts", 0) for step in steps) == llm.num_draft_tokens      # the step trace has them too
+    assert sum(step.get("accepted", 0) for step in steps) == llm.num_accepted_tokens

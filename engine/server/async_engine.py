@@ -248,8 +248,13 @@ class AsyncEngine:
         shape = batch_shape(output, self.llm.model_config.attention.index_topk)
         self.metrics.step_seconds.labels(regime_of(shape)).observe(seconds)
         if self._step_trace is not None:
-            self._step_trace.write(json.dumps({"start_s": round(started, 6), "duration_s": round(seconds, 6),
-                                               "batch": shape, "more": self.llm.has_unfinished()}) + "\n")
+            line = {"start_s": round(started, 6), "duration_s": round(seconds, 6), "batch": shape,
+                    "more": self.llm.has_unfinished()}
+            verified = [item for item in output.chunks if item.drafts]
+            if verified:            # speculative decoding: drafts verified in the step, and those that stood
+                line |= {"drafts": sum(len(item.drafts) for item in verified),
+                         "accepted": sum(item.num_accepted for item in verified)}
+            self._step_trace.write(json.dumps(line) + "\n")
             self._step_trace.flush()
 
     def _deliver(self, finished: list[RequestOutput]) -> None:
