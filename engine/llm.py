@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.core.speculative import DraftStats, NgramProposer, SpeculativeConfig
 from engine.executor.integrity import IntegrityChecker, Violation
+from engine.executor.mtp import MTPDrafts
 from engine.executor.runner import ModelRunner
 from engine.executor.worker import rank_memory
 from engine.executor.workers import MEMORY_QUERY, Workers
@@ -53,7 +54,7 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        self.proposer = self._proposer(config.speculative_config)
+        self._check_speculative(config.speculative_config)
         self.device = resolve_device(config.device)
         on_gpu = self.device.type == "cuda"
         if config.num_threads is not None:
@@ -74,6 +75,8 @@ class LLM:
                 raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {context} "
                                   f"tokens")
             self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu), config.tensor_parallel)
+            if getattr(self.model, "mtp", None) is not None:    # the MTP module's layer of the pool
+                self.kv_layout = replace(self.kv_layout, num_layers=self.kv_layout.num_layers + 1)
             num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
                                                                 config.page_size)
             if num_pages <= 0:
@@ -97,6 +100,9 @@ class LLM:
             config.tensor_parallel)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
                                   self.integrity)
+        speculative = config.speculative_config
+        self.proposer: NgramProposer | MTPDrafts | None = None if speculative is None else (
+            NgramProposer(speculative) if speculative.method == "ngram" else self.runner.mtp_drafts)
         speculative = config.speculative_config
         self.draft_stats = None if speculative is None else DraftStats(speculative.num_draft_tokens)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
@@ -219,13 +225,14 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _proposer(self, speculative: SpeculativeConfig | None) -> NgramProposer | None:
-        if speculative is None:
-            return None
-        if speculative.method != "ngram":
-            raise ConfigError(f"speculative method {speculative.method!r} is not implemented in the engine yet "
-                              f"(ngram:K is)")
-        return NgramProposer(speculative)
+    def _check_speculative(self, speculative: SpeculativeConfig | None) -> None:
+        """What the engine drafts with: prompt lookup (ngram:K) anywhere; the model's MTP module one token ahead
+        (mtp:1, on one device: chaining it for more drafts would write its cache past the reserved slots)."""
+        if speculative is None or speculative.method == "ngram":
+            return
+        if speculative.num_draft_tokens != 1 or self.config.tensor_parallel > 1:
+            raise ConfigError(f"the engine drafts with MTP one token ahead on one device (mtp:1), got "
+                              f"mtp:{speculative.num_draft_tokens} over {self.config.tensor_parallel} ranks")
 
     def _propose(self) -> None:
         """Drafts for every running sequence about to decode: at most what its max_tokens and the context leave
@@ -268,7 +275,8 @@ class LLM:
         if violations:
             aborted += self._abort_violating(output, violations)
         if self.draft_stats is not None:
-            self.draft_stats.record(len(output.decodes) + sum(1 for item in output.chunks if item.is_decode),
+            self.draft_stats.record(len(output.decodes) + sum(1 for item in output.chunks
+                                                              if item.is_decode and not item.drafts),
                                     [(len(item.drafts), item.num_accepted) for item in output.chunks
                                      if item.drafts and item.seq.seq_id in sampled])
         if self.integrity is not None:

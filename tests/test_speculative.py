@@ -172,3 +172,68 @@ def test_the_server_counts_drafts_like_vllm(tmp_path):
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
     assert sum(step.get("drafts", 0) for step in steps) == llm.num_draft_tokens      # the step trace has them too
     assert sum(step.get("accepted", 0) for step in steps) == llm.num_accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def mtp_config(tmp_path_factory):
+    """A tiny DeepSeek-V3 config with its MTP layer (random weights: the engine makes them)."""
+    from test_deepseek import TINY_DEEPSEEK
+
+    path = tmp_path_factory.mktemp("mtp") / "config.json"
+    path.write_text(json.dumps({**TINY_DEEPSEEK, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1,
+                                "architectures": ["DeepseekV3ForCausalLM"], "eos_token_id": 1}))
+    return str(path)
+
+
+def _token_prompts(count: int) -> list[list[int]]:
+    return [[(7 * index + offset) % 150 + 2 for offset in range(length)]
+            for index, length in enumerate((5, 17, 40, 3, 29, 11)[:count])]
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}, {"num_pages": 14}])
+def test_mtp_drafts_keep_greedy_tokens(mtp_config, options):
+    """MTP drafts (one token ahead) on a DeepSeek-V3 config: the same greedy tokens as without, chunked prefill and
+    preemption included; its cache is a layer of the pool after the main ones; no page left held."""
+    prompts, params = _token_prompts(6), [SamplingParams(max_tokens=20, ignore_eos=True)] * 6
+    plain = LLM(model=mtp_config, device="cpu", page_size=8, **options)
+    drafted = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:1", **options)
+    assert drafted.kv_layout.num_layers == plain.kv_layout.num_layers + 1
+    assert _run(drafted, prompts, params) == [result.token_ids for result in plain.generate(prompts, params)]
+    stats = drafted.draft_stats.summary()
+    assert stats["draft_tokens"] > 50 and stats["draft_length_shares"][1] > 0.8     # a draft nearly every decode
+    if "num_pages" in options:
+        assert drafted.num_preemptions > 0
+
+
+def test_mtp_cache_written_step_by_step_is_the_one_of_a_whole_prompt(mtp_config):
+    """The draft an engine made after each decode step equals the draft of a fresh engine that reads everything up
+    to that token as one prompt (in 16-token chunks): the MTP module's cache rows were written where they belong,
+    and each step attended to the earlier ones."""
+    prompt = _token_prompts(3)[2]
+    stepped = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:1")
+    request = stepped.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    drafts, tokens = {}, None
+    while stepped.has_unfinished():
+        for result in stepped.step():
+            tokens = result.token_ids
+        entry = stepped.runner.mtp_drafts._drafts.get(request)
+        if entry is not None:
+            drafts[entry[0]] = entry[1]
+    assert tokens is not None and len(drafts) >= 10
+    for computed in sorted(drafts)[1::3]:
+        whole = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:1", max_num_batched_tokens=16)
+        known = (prompt + tokens)[:computed]
+        seq_id = whole.add_request(known, SamplingParams(max_tokens=2, ignore_eos=True))
+        while whole.has_unfinished():
+            whole.step()
+            entry = whole.runner.mtp_drafts._drafts.get(seq_id)
+            if entry is not None and entry[0] == computed:
+                break
+        assert entry == (computed, drafts[computed])
+
+
+def test_mtp_is_refused_where_it_cannot_run(mtp_config):
+    with pytest.raises(ConfigError, match="no multi-token-prediction layer"):
+        LLM(model="smollm2-135m", device="cpu", speculative="mtp:1")
+    with pytest.raises(ConfigError, match="one token ahead"):
+        LLM(model=mtp_config, device="cpu", speculative="mtp:2")

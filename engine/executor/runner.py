@@ -4,6 +4,7 @@ The plan is plain lists (`engine.executor.step_plan.StepPlan`) so that a tensor-
 it to the other ranks, which run the same forward pass on it (`forward_plan`)."""
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,7 @@ from engine.core.errors import RequestError
 from engine.core.memory import pages_for_tokens
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.executor.integrity import IntegrityChecker, Violation, agree
+from engine.executor.mtp import MTPDrafts, mtp_rows, run_mtp
 from engine.executor.sampler import sample, verify_drafts
 from engine.executor.step_plan import StepPlan
 from engine.model.architectures.base import DecoderModel
@@ -35,10 +37,22 @@ def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, pa
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
+    kv_cache.calibrating = plan.calibrate_kv
+    hidden = model(tensor(plan.token_ids), tensor(plan.positions), kv_cache, attention_metadata(plan, page_size, device))
+    if plan.logit_rows == []:
+        return None
+    return model.compute_logits(hidden if plan.logit_rows is None else hidden[tensor(plan.logit_rows)])
+
+
+def attention_metadata(plan: StepPlan, page_size: int, device: torch.device) -> AttentionMetadata:
+    """Where the plan's rows write and what each attends: decodes by their block tables, prefill chunks by theirs."""
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     width = max((len(t) for t in plan.decode_tables), default=0)
     padded = [t + [0] * (width - len(t)) for t in plan.decode_tables]
     context_lens = tensor(plan.decode_lens)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=tensor(plan.slots),
         num_decodes=len(plan.decode_tables),
         decode_block_tables=tensor(padded).reshape(len(plan.decode_tables), width),
@@ -47,11 +61,6 @@ def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, pa
         prefills=tuple(PrefillChunk(row, tokens, context, tensor(pages), chunk_causal_mask(tokens, context, device))
                        for row, tokens, context, pages in plan.prefills),
     )
-    kv_cache.calibrating = plan.calibrate_kv
-    hidden = model(tensor(plan.token_ids), tensor(plan.positions), kv_cache, meta)
-    if plan.logit_rows == []:
-        return None
-    return model.compute_logits(hidden if plan.logit_rows is None else hidden[tensor(plan.logit_rows)])
 
 
 class ModelRunner:
@@ -67,6 +76,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
+        self.mtp_drafts = MTPDrafts() if getattr(model, "mtp", None) is not None else None
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
         seq = item.seq
@@ -79,6 +89,8 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        if self.mtp_drafts is not None:
+            self.mtp_drafts.release(seq_id)
 
     def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None) -> StepPlan:
         """The step's flat inputs from the block tables; `items` must list decodes first. Under tensor
@@ -144,16 +156,36 @@ class ModelRunner:
         (their sequences did not run; the caller aborts them)."""
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
         logit_rows = [row for rows, item in zip(_logit_rows(items), items) if item.samples for row in rows]
-        logits, dropped = self.run(self.plan(items, logit_rows))
+        plan = self.plan(items, logit_rows)
+        logits, dropped = self.run(plan)
         sampling = [item for index, item in enumerate(items) if item.samples and index not in dropped]
-        if not sampling:
-            return {}, list(dropped.values())
-        if any(item.drafts for item in sampling):
-            tokens = self._verify(logits, sampling)
-        else:
-            tokens = sample(logits, [item.seq.params for item in sampling],
-                            [self._generator(item) for item in sampling])
-        return {item.seq.seq_id: token for item, token in zip(sampling, tokens)}, list(dropped.values())
+        sampled: dict[int, int] = {}
+        if sampling:
+            if any(item.drafts for item in sampling):
+                tokens = self._verify(logits, sampling)
+            else:
+                tokens = sample(logits, [item.seq.params for item in sampling],
+                                [self._generator(item) for item in sampling])
+            sampled = {item.seq.seq_id: token for item, token in zip(sampling, tokens)}
+        if self.mtp_drafts is not None and items:
+            self._draft_with_mtp(items, plan, sampled)
+        return sampled, list(dropped.values())
+
+    def _draft_with_mtp(self, items: list[ScheduledSequence], plan: StepPlan, sampled: dict[int, int]) -> None:
+        """The MTP module over the rows the step kept; each sequence that sampled gets its next draft."""
+        rows, kept, next_tokens = mtp_rows(items, plan, sampled)
+        drafting = [index for index, item in enumerate(kept) if item.samples]
+        ends = list(itertools.accumulate(item.num_new_tokens for item in kept))
+        mtp_plan = self.plan(kept, [ends[index] - 1 for index in drafting])
+        mtp_plan.token_ids = next_tokens
+        hidden = self.model.last_hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        logits = run_mtp(self.model, self.kv_cache, mtp_plan, hidden,
+                         attention_metadata(mtp_plan, self.block_manager.page_size, self.device), self.device)
+        if logits is None:
+            return
+        for index, token in zip(drafting, logits.argmax(dim=-1).tolist()):
+            item = kept[index]
+            self.mtp_drafts.record(item.seq.seq_id, item.end, token)
 
     def _verify(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> list[int]:
         """A step with drafts: logits hold each item's rows in order (one, or K + 1 with drafts). The plain items

@@ -393,7 +393,31 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
         model = shard_model(model, group.size, group.rank, engine.expert_parallel)
         model.use_group(group)
         quantize_model(model, scheme)
+    speculative = engine.speculative_config
+    if speculative is not None and speculative.method == "mtp":
+        _attach_random_mtp(model, source, config, seed, scheme)
     return LoadedModel(model.eval(), config, tokenizer, source)
+
+
+def _attach_random_mtp(model: nn.Module, source: ModelSource, config: ModelSpec, seed: int,
+                       scheme: dict[str, WeightFormat]) -> None:
+    """The model's MTP module with seeded random weights: the configs here come without weights."""
+    if not config.mtp_layers or not hasattr(model, "new_mtp"):
+        raise ConfigError(f"{config.name} has no multi-token-prediction layer (num_nextn_predict_layers) the "
+                          f"engine runs: use --speculative ngram:K")
+    if source.kind != "random":
+        raise ConfigError(f"--speculative mtp runs on random-weight configs here; {source.name!r} ships weights "
+                          f"without the MTP layer's")
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    with torch.device("meta"):
+        predictor = model.new_mtp()
+    predictor = predictor.to(dtype).to_empty(device=device)
+    offset = sum(1 for _ in model.parameters())
+    for index, (name, param) in enumerate(predictor.named_parameters()):
+        _random_value(param, name, seed, offset + index)
+    quantize_model(predictor, scheme)
+    model.mtp = predictor
+    model.keep_hidden = True
 
 
 def check_shardable(name: str, engine: EngineConfig) -> None:

@@ -45,6 +45,8 @@ class DecoderModel(nn.Module):
         self.rotary = self.rotary_embedding(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.group = SINGLE
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     def use_group(self, group: TensorGroup) -> None:
         """This model is rank `group.rank`'s shard of a tensor-parallel model."""
@@ -60,7 +62,10 @@ class DecoderModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of new tokens [T] → final hidden states [T, hidden]; the cache rows go to the pool."""
         x = self.embed(input_ids)
-        return self.norm(self.run_layers(x, self.rotary(positions, x.dtype), kv_cache, meta))
+        x = self.run_layers(x, self.rotary(positions, x.dtype), kv_cache, meta)
+        if self.keep_hidden:                # an MTP draft reads the hidden states before the final norm
+            self.last_hidden = x
+        return self.norm(x)
 
     def run_layers(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], kv_cache: PagedKVCache,
                    meta: AttentionMetadata) -> torch.Tensor:

@@ -9,6 +9,7 @@ from engine.model.architectures.base import DecoderLayer, DecoderModel
 from engine.model.layers.mla import MLAttention
 from engine.model.layers.mlp import SwiGLU
 from engine.model.layers.moe import MoE
+from engine.model.layers.mtp import MultiTokenPredictor
 
 
 def feed_forward(config: ModelSpec, layer: int) -> nn.Module:
@@ -21,3 +22,12 @@ class DeepseekV3Model(DecoderModel):
     def __init__(self, config: ModelSpec) -> None:
         super().__init__(config, [DecoderLayer(config, MLAttention(config, i), feed_forward(config, i))
                                   for i in range(config.num_layers)])
+        self.mtp: MultiTokenPredictor | None = None
+
+    def new_mtp(self) -> MultiTokenPredictor:
+        """The model's MTP module (one): its block is a MoE layer where the model has experts, attending through
+        the pool's layer after the main ones."""
+        config = self.config
+        ffn = MoE(config.hidden_size, config.ffn) if config.ffn.moe_layers else SwiGLU(
+            config.hidden_size, config.ffn.dense_intermediate)
+        return MultiTokenPredictor(config, DecoderLayer(config, MLAttention(config, config.num_layers), ffn))
