@@ -237,3 +237,16 @@ def test_mtp_is_refused_where_it_cannot_run(mtp_config):
         LLM(model="smollm2-135m", device="cpu", speculative="mtp:1")
     with pytest.raises(ConfigError, match="one token ahead"):
         LLM(model=mtp_config, device="cpu", speculative="mtp:2")
+
+
+def test_the_fault_campaign_with_mtp_drafts(mtp_config):
+    """Ownership faults on an engine whose MTP module writes its own layer of the pages after every step: all
+    detected, nobody else harmed, no page leaked."""
+    rng = random.Random(4)
+    system = list(range(100, 120))
+    prompts = [system + prompt for prompt in _token_prompts(6)]
+    params = [SamplingParams(max_tokens=rng.randrange(6, 14), ignore_eos=True) for _ in prompts]
+    llm = LLM(model=mtp_config, device="cpu", page_size=8, num_pages=300, speculative="mtp:1",
+              max_num_batched_tokens=64)
+    assert_campaign_detects(llm, (prompts, params), OWNERSHIP_FAULTS, 1, seed=12)
+    assert llm.num_draft_tokens > 0
