@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, SchedulerConfig
 from engine.core.errors import ConfigError, RequestError
-from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget
+from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, with_draft_layers
 from engine.core.reference_text import reference_text
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
@@ -75,8 +75,7 @@ class LLM:
                 raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {context} "
                                   f"tokens")
             self.kv_layout = kv_layout(self.model_config, config.resolved_kv_dtype(on_gpu), config.tensor_parallel)
-            if getattr(self.model, "mtp", None) is not None:    # the MTP module's layer of the pool
-                self.kv_layout = replace(self.kv_layout, num_layers=self.kv_layout.num_layers + 1)
+            self.kv_layout = with_draft_layers(self.kv_layout, int(getattr(self.model, "mtp", None) is not None))
             num_pages = config.num_pages or kv_pages_for_budget(self._kv_budget_bytes(), self.kv_layout,
                                                                 config.page_size)
             if num_pages <= 0:

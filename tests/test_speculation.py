@@ -133,3 +133,17 @@ def test_search_tries_speculation_beside_plain_decoding(tmp_path):
                and "--speculative-algorithm NGRAM" in item["sglang"] for item in commands.values())
     verdict = payload["speculative"]
     assert verdict["configuration"].endswith("ngram:3") and verdict["single_stream_speedup"] > 1
+
+
+def test_mtp_adds_its_layer_to_the_kv_cache_as_the_engine_does():
+    from engine.core.memory import kv_bytes_per_token, kv_layout, with_draft_layers
+    from planner.catalog.models import get_model
+    from planner.deployment.capacity import Deployment, evaluate
+
+    plain = evaluate(Deployment(model="deepseek-v3", hardware="h200", gpus=8)).plan
+    drafted = evaluate(Deployment(model="deepseek-v3", hardware="h200", gpus=8,
+                                  speculation=Speculation.parse("mtp:1"))).plan
+    model = get_model("deepseek-v3")
+    assert drafted.kv_bytes_per_token_per_gpu == kv_bytes_per_token(with_draft_layers(kv_layout(model, "fp8"), 1))
+    assert drafted.kv_bytes_per_token_per_gpu * model.num_layers == plain.kv_bytes_per_token_per_gpu * (
+        model.num_layers + 1)

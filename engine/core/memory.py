@@ -6,7 +6,7 @@ Torch-free: the planner imports it where no torch is installed. Element sizes co
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import ConfigError
@@ -105,6 +105,11 @@ def kv_layout(spec: ModelSpec, dtype: str, attention_tp: int = 1) -> KVLayout:
                         indexer_layers=attention.indexer_layers, indexer_dim=attention.indexer_head_dim)
     return KVLayout(spec.num_layers, dtype, num_kv_heads=ceil_div(attention.num_kv_heads, attention_tp),
                     head_dim=attention.head_dim)
+
+
+def with_draft_layers(layout: KVLayout, draft_layers: int) -> KVLayout:
+    """The cache of a model whose MTP draft module runs too: its layers cache like the main ones, after them."""
+    return replace(layout, num_layers=layout.num_layers + draft_layers) if draft_layers else layout
 
 
 def kv_bytes_per_token(layout: KVLayout) -> int:

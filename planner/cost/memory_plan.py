@@ -30,6 +30,7 @@ from engine.core.memory import (
     kv_layout,
     weight_bytes,
     weight_scheme,
+    with_draft_layers,
 )
 from engine.core.spec import Linear, ModelSpec
 from planner.catalog.hardware import HardwareSpec
@@ -111,11 +112,11 @@ def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
         raise PlannerError(f"{model.name}: {error}") from None
 
 
-def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism) -> int:
-    """What one cached token costs each GPU that holds it."""
+def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism, draft_layers: int = 0) -> int:
+    """What one cached token costs each GPU that holds it (with an MTP draft module's `draft_layers` too)."""
     if kv_dtype not in KV_DTYPES:
         raise PlannerError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(KV_DTYPES)})")
-    return kv_bytes_per_token(kv_layout(model, kv_dtype, parallel.attention_tp))
+    return kv_bytes_per_token(with_draft_layers(kv_layout(model, kv_dtype, parallel.attention_tp), draft_layers))
 
 
 def kv_bytes_per_token_total(model: ModelSpec, kv_dtype: str) -> int:
@@ -202,7 +203,7 @@ class MemoryPlan:
 def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism, weights: str, kv_dtype: str,
                 group_size: int = 128, utilization: float = 0.9, page_size: int = DEFAULT_PAGE_SIZE,
                 max_batched_tokens: int = DEFAULT_BATCHED_TOKENS, max_seqs: int = DEFAULT_MAX_SEQS,
-                max_model_len: int | None = None) -> MemoryPlan:
+                max_model_len: int | None = None, draft_layers: int = 0) -> MemoryPlan:
     if not 0 < utilization <= 1:
         raise PlannerError(f"memory utilization must be in (0, 1], got {utilization!r}")
     if not isinstance(page_size, int) or page_size <= 0:
@@ -222,7 +223,7 @@ def plan_memory(model: ModelSpec, hardware: HardwareSpec, parallel: Parallelism,
     activations = activation_bytes_per_gpu(model, parallel, max_batched_tokens, max_seqs)
     runtime = RUNTIME_RESERVE_BYTES
     pool = usable - sum(by_component.values()) - activations - runtime
-    per_token = kv_bytes_per_token_per_gpu(model, kv_dtype, parallel)
+    per_token = kv_bytes_per_token_per_gpu(model, kv_dtype, parallel, draft_layers)
     notes = []
     if pool <= 0:
         notes.append(f"the weights ({sum(by_component.values()) / GIB:.1f} GiB per GPU) and reserves do not fit "

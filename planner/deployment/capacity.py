@@ -67,6 +67,11 @@ class Deployment:
                 raise PlannerError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
 
     @property
+    def draft_layers(self) -> int:
+        """Layers an MTP draft module adds to the KV cache (its weights are not counted yet)."""
+        return 1 if self.speculation is not None and self.speculation.method == "mtp" else 0
+
+    @property
     def parallel(self) -> Parallelism:
         return Parallelism(self.gpus, self.tensor_parallel, self.expert_parallel, self.attention_data_parallel)
 
@@ -258,7 +263,8 @@ def _peaks(deployment: Deployment, hardware: HardwareSpec, measured_link: float 
 def _memory_plan(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> MemoryPlan:
     return plan_memory(model, hardware, deployment.parallel, deployment.weights, deployment.kv_dtype,
                        deployment.group_size, deployment.utilization,
-                       max_batched_tokens=deployment.max_num_batched_tokens, max_seqs=deployment.max_num_seqs)
+                       max_batched_tokens=deployment.max_num_batched_tokens, max_seqs=deployment.max_num_seqs,
+                       draft_layers=deployment.draft_layers)
 
 
 def evaluate(deployment: Deployment) -> Capacity:
@@ -316,7 +322,7 @@ def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpe
                                deployment.attention_data_parallel)
         plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
                            deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
-                           max_seqs=deployment.max_num_seqs)
+                           max_seqs=deployment.max_num_seqs, draft_layers=deployment.draft_layers)
         if plan.max_concurrency(deployment.context):
             return gpus
     return None
