@@ -97,9 +97,9 @@ class LLM:
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
             config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed,
             config.tensor_parallel)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
-                                  self.integrity)
         speculative = config.speculative_config
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, config.seed, self.workers,
+                                  self.integrity, speculative.num_draft_tokens if speculative is not None else 1)
         self.proposer: NgramProposer | MTPDrafts | None = None if speculative is None else (
             NgramProposer(speculative) if speculative.method == "ngram" else self.runner.mtp_drafts)
         speculative = config.speculative_config
@@ -229,9 +229,9 @@ class LLM:
         (mtp:1, on one device: chaining it for more drafts would write its cache past the reserved slots)."""
         if speculative is None or speculative.method == "ngram":
             return
-        if speculative.num_draft_tokens != 1 or self.config.tensor_parallel > 1:
-            raise ConfigError(f"the engine drafts with MTP one token ahead on one device (mtp:1), got "
-                              f"mtp:{speculative.num_draft_tokens} over {self.config.tensor_parallel} ranks")
+        if self.config.tensor_parallel > 1:
+            raise ConfigError(f"the engine drafts with MTP on one device; --tensor-parallel "
+                              f"{self.config.tensor_parallel} workers do not run the module yet")
 
     def _propose(self) -> None:
         """Drafts for every running sequence about to decode: at most what its max_tokens and the context leave

@@ -190,17 +190,20 @@ def _token_prompts(count: int) -> list[list[int]]:
             for index, length in enumerate((5, 17, 40, 3, 29, 11)[:count])]
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16}, {"num_pages": 14}])
-def test_mtp_drafts_keep_greedy_tokens(mtp_config, options):
-    """MTP drafts (one token ahead) on a DeepSeek-V3 config: the same greedy tokens as without, chunked prefill and
-    preemption included; its cache is a layer of the pool after the main ones; no page left held."""
+@pytest.mark.parametrize("drafts, options", [(1, {}), (1, {"max_num_batched_tokens": 16}), (1, {"num_pages": 14}),
+                                             (3, {}), (3, {"num_pages": 14, "max_num_batched_tokens": 16})])
+def test_mtp_drafts_keep_greedy_tokens(mtp_config, drafts, options):
+    """MTP drafts (the module chained for more than one) on a DeepSeek-V3 config: the same greedy tokens as without,
+    chunked prefill and preemption included; its cache is a layer of the pool after the main ones; no page held."""
     prompts, params = _token_prompts(6), [SamplingParams(max_tokens=20, ignore_eos=True)] * 6
     plain = LLM(model=mtp_config, device="cpu", page_size=8, **options)
-    drafted = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:1", **options)
+    drafted = LLM(model=mtp_config, device="cpu", page_size=8, speculative=f"mtp:{drafts}", **options)
     assert drafted.kv_layout.num_layers == plain.kv_layout.num_layers + 1
     assert _run(drafted, prompts, params) == [result.token_ids for result in plain.generate(prompts, params)]
     stats = drafted.draft_stats.summary()
-    assert stats["draft_tokens"] > 50 and stats["draft_length_shares"][1] > 0.8     # a draft nearly every decode
+    assert stats["draft_tokens"] > 50 and sum(stats["draft_length_shares"][1:]) > 0.8   # drafts nearly every decode
+    if drafts > 1 and "num_pages" not in options:
+        assert stats["draft_length_shares"][drafts] > 0.5
     if "num_pages" in options:
         assert drafted.num_preemptions > 0
 
@@ -235,8 +238,8 @@ def test_mtp_cache_written_step_by_step_is_the_one_of_a_whole_prompt(mtp_config)
 def test_mtp_is_refused_where_it_cannot_run(mtp_config):
     with pytest.raises(ConfigError, match="no multi-token-prediction layer"):
         LLM(model="smollm2-135m", device="cpu", speculative="mtp:1")
-    with pytest.raises(ConfigError, match="one token ahead"):
-        LLM(model=mtp_config, device="cpu", speculative="mtp:2")
+    with pytest.raises(ConfigError, match="one device"):
+        LLM(model=mtp_config, device="cpu", speculative="mtp:2", tensor_parallel=2)
 
 
 def test_the_fault_campaign_with_mtp_drafts(mtp_config):
@@ -250,3 +253,29 @@ def test_the_fault_campaign_with_mtp_drafts(mtp_config):
               max_num_batched_tokens=64)
     assert_campaign_detects(llm, (prompts, params), OWNERSHIP_FAULTS, 1, seed=12)
     assert llm.num_draft_tokens > 0
+
+
+def test_chained_mtp_drafts_are_those_of_a_whole_prompt(mtp_config):
+    """mtp:3: the drafts a step verified (the first from the previous step's pass, two chained in the step) equal
+    those a fresh engine verifies in its first decode after reading everything up to there as one prompt."""
+    prompt = _token_prompts(2)[1]
+    stepped = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:3")
+    stepped.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    verified, tokens = {}, None
+    while stepped.has_unfinished():
+        for result in stepped.step():
+            tokens = result.token_ids
+        for item in stepped.last_output.chunks:
+            if item.drafts:
+                verified[item.start] = item.drafts
+    assert tokens is not None and len(verified) >= 3
+    full = [start for start in sorted(verified) if len(verified[start]) == 3]
+    assert len(full) >= 3
+    for start in full[::2]:
+        whole = LLM(model=mtp_config, device="cpu", page_size=8, speculative="mtp:3", max_num_batched_tokens=16)
+        whole.add_request((prompt + tokens)[:start], SamplingParams(max_tokens=8, ignore_eos=True))
+        first = None
+        while first is None and whole.has_unfinished():
+            whole.step()
+            first = next((item.drafts for item in whole.last_output.chunks if item.drafts), None)
+        assert first == verified[start][:len(first)] and len(first) == len(verified[start])

@@ -14,25 +14,33 @@ from engine.executor.step_plan import StepPlan
 from engine.model.architectures.base import DecoderModel
 from engine.model.kv_cache import PagedKVCache
 
+UNDRAFTED = -1      # a draft slot the step fills by chaining the module (`ModelRunner._chain_mtp`)
+
 
 class MTPDrafts:
-    """The draft each sequence's last MTP pass predicted, with the position it drafts for."""
+    """The draft each sequence's last MTP pass predicted, with the position it drafts for and the module's hidden
+    state there (what a chained pass starts from)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_draft_tokens: int = 1) -> None:
+        self.num_draft_tokens = num_draft_tokens
         self._drafts: dict[int, tuple[int, int]] = {}       # seq_id -> (its computed tokens then, the draft)
+        self.hidden: dict[int, torch.Tensor] = {}           # seq_id -> the module's output there, before its norm
 
-    def record(self, seq_id: int, computed: int, token: int) -> None:
+    def record(self, seq_id: int, computed: int, token: int, hidden: torch.Tensor) -> None:
         self._drafts[seq_id] = (computed, token)
+        self.hidden[seq_id] = hidden
 
     def propose(self, seq_id: int, tokens: list[int], room: int) -> list[int]:
-        """The draft, if it was made for the sequence as it stands (all but its last token computed)."""
+        """The draft, if it was made for the sequence as it stands (all but its last token computed), then slots
+        for the drafts the step chains after it."""
         draft = self._drafts.get(seq_id)
         if draft is None or room < 1 or draft[0] != len(tokens) - 1:
             return []
-        return [draft[1]]
+        return [draft[1]] + [UNDRAFTED] * (min(self.num_draft_tokens, room) - 1)
 
     def release(self, seq_id: int) -> None:
         self._drafts.pop(seq_id, None)
+        self.hidden.pop(seq_id, None)
 
 
 def mtp_rows(items: list[ScheduledSequence], plan: StepPlan, sampled: dict[int, int]) -> tuple[
@@ -59,13 +67,14 @@ def mtp_rows(items: list[ScheduledSequence], plan: StepPlan, sampled: dict[int, 
 
 @torch.inference_mode()
 def run_mtp(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, hidden: torch.Tensor,
-            metadata, device: torch.device) -> torch.Tensor | None:
-    """The MTP module over `plan` (next tokens, positions, slots of the kept rows) from the main model's `hidden`
-    rows: float32 logits of the plan's logit rows."""
+            metadata, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The MTP module over `plan` (next tokens, positions, slots) from `hidden` rows (the main model's, or the
+    module's own when chained): float32 logits of the plan's logit rows, and its output rows before its norm."""
     tokens = torch.tensor(plan.token_ids, dtype=torch.int64, device=device)
     positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
     embedded = model.embed(tokens)
     out = model.mtp(embedded, hidden, model.rotary(positions, embedded.dtype), kv_cache, metadata)
     if not plan.logit_rows:
-        return None
-    return model.compute_logits(out[torch.tensor(plan.logit_rows, dtype=torch.int64, device=device)])
+        return None, out
+    rows = torch.tensor(plan.logit_rows, dtype=torch.int64, device=device)
+    return model.compute_logits(model.mtp.norm(out[rows])), out

@@ -14,7 +14,7 @@ from engine.core.errors import RequestError
 from engine.core.memory import pages_for_tokens
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
 from engine.executor.integrity import IntegrityChecker, Violation, agree
-from engine.executor.mtp import MTPDrafts, mtp_rows, run_mtp
+from engine.executor.mtp import UNDRAFTED, MTPDrafts, mtp_rows, run_mtp
 from engine.executor.sampler import sample, verify_drafts
 from engine.executor.step_plan import StepPlan
 from engine.model.architectures.base import DecoderModel
@@ -65,7 +65,8 @@ def attention_metadata(plan: StepPlan, page_size: int, device: torch.device) -> 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 seed: int = 0, workers: Workers | None = None, integrity: IntegrityChecker | None = None) -> None:
+                 seed: int = 0, workers: Workers | None = None, integrity: IntegrityChecker | None = None,
+                 num_draft_tokens: int = 1) -> None:
         self.model = model
         self.workers = workers
         self.integrity = integrity
@@ -76,7 +77,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
-        self.mtp_drafts = MTPDrafts() if getattr(model, "mtp", None) is not None else None
+        self.mtp_drafts = MTPDrafts(num_draft_tokens) if getattr(model, "mtp", None) is not None else None
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
         seq = item.seq
@@ -155,6 +156,8 @@ class ModelRunner:
         after those that stood, which `ScheduledSequence.accept` records), and the violations another rank found
         (their sequences did not run; the caller aborts them)."""
         items = sorted(output.scheduled, key=lambda item: not item.is_decode)
+        if self.mtp_drafts is not None:
+            self._chain_mtp(items)
         logit_rows = [row for rows, item in zip(_logit_rows(items), items) if item.samples for row in rows]
         plan = self.plan(items, logit_rows)
         logits, dropped = self.run(plan)
@@ -179,13 +182,35 @@ class ModelRunner:
         mtp_plan = self.plan(kept, [ends[index] - 1 for index in drafting])
         mtp_plan.token_ids = next_tokens
         hidden = self.model.last_hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
-        logits = run_mtp(self.model, self.kv_cache, mtp_plan, hidden,
-                         attention_metadata(mtp_plan, self.block_manager.page_size, self.device), self.device)
+        logits, out = run_mtp(self.model, self.kv_cache, mtp_plan, hidden,
+                              attention_metadata(mtp_plan, self.block_manager.page_size, self.device), self.device)
         if logits is None:
             return
         for index, token in zip(drafting, logits.argmax(dim=-1).tolist()):
             item = kept[index]
-            self.mtp_drafts.record(item.seq.seq_id, item.end, token)
+            self.mtp_drafts.record(item.seq.seq_id, item.end, token, out[ends[index] - 1])
+
+    def _chain_mtp(self, items: list[ScheduledSequence]) -> None:
+        """Fills the drafts after the first by chaining the MTP module: pass j runs at position start + j - 1 of
+        every sequence with more than j drafts, from the module's previous output and the draft before, writing
+        its cache row into a slot the step reserved (the verification overwrites what does not stand)."""
+        drafts, page_size = self.mtp_drafts, self.block_manager.page_size
+        chained = [item for item in items if UNDRAFTED in item.drafts]
+        filled = {id(item): list(item.drafts) for item in chained}
+        hidden = {id(item): drafts.hidden[item.seq.seq_id] for item in chained}
+        for depth in range(1, max((len(item.drafts) for item in chained), default=0)):
+            going = [item for item in chained if len(item.drafts) > depth]
+            steps = [ScheduledSequence(item.seq, item.start + depth - 1, 1, True) for item in going]
+            plan = self.plan(steps, list(range(len(steps))))
+            plan.token_ids = [filled[id(item)][depth - 1] for item in going]
+            rows = torch.stack([hidden[id(item)] for item in going])
+            logits, out = run_mtp(self.model, self.kv_cache, plan, rows, attention_metadata(plan, page_size,
+                                                                                             self.device), self.device)
+            for row, (item, token) in enumerate(zip(going, logits.argmax(dim=-1).tolist())):
+                filled[id(item)][depth] = token
+                hidden[id(item)] = out[row]
+        for item in chained:
+            item.drafts = tuple(filled[id(item)])
 
     def _verify(self, logits: torch.Tensor, sampling: list[ScheduledSequence]) -> list[int]:
         """A step with drafts: logits hold each item's rows in order (one, or K + 1 with drafts). The plain items

@@ -8,6 +8,8 @@ layers) and the shared output head, predicting t_{i+2}:
 
 (DeepSeek-V3 technical report, section 2.2; the checkpoint's `model.layers.{num_hidden_layers}.*`.) Each step
 runs it over the positions the step computed and kept, so its cache always covers what the main layers cover.
+More drafts chain it: its own output at position i stands in for h_i of the next pass (as SGLang and vLLM
+chain DeepSeek's single module).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class MultiTokenPredictor(nn.Module):
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """Embeddings of the next tokens and the main model's hidden states, [T, hidden] each -> normed [T, hidden]."""
+        """Embeddings of the next tokens and hidden states, [T, hidden] each -> the block's output [T, hidden],
+        before `norm` (a chained pass takes it as its hidden state; the head reads it normed)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.norm(self.block(x, rotary, kv_cache, meta))
+        return self.block(x, rotary, kv_cache, meta)
