@@ -102,7 +102,6 @@ class LLM:
                                   self.integrity, speculative.num_draft_tokens if speculative is not None else 1)
         self.proposer: NgramProposer | MTPDrafts | None = None if speculative is None else (
             NgramProposer(speculative) if speculative.method == "ngram" else self.runner.mtp_drafts)
-        speculative = config.speculative_config
         self.draft_stats = None if speculative is None else DraftStats(speculative.num_draft_tokens)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity_detections = 0       # refused cache hits (`_report_refused_hits`); aborts are counted apart
@@ -225,24 +224,16 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def _check_speculative(self, speculative: SpeculativeConfig | None) -> None:
-        """What the engine drafts with: prompt lookup (ngram:K) anywhere; the model's MTP module one token ahead
-        (mtp:1, on one device: chaining it for more drafts would write its cache past the reserved slots)."""
+        """What the engine drafts with: prompt lookup (ngram:K) anywhere; the model's MTP module (mtp:K) on one
+        device (tensor-parallel workers do not run it)."""
         if speculative is None or speculative.method == "ngram":
             return
         if self.config.tensor_parallel > 1:
             raise ConfigError(f"the engine drafts with MTP on one device; --tensor-parallel "
                               f"{self.config.tensor_parallel} workers do not run the module yet")
 
-    def _propose(self) -> None:
-        """Drafts for every running sequence about to decode: at most what its max_tokens and the context leave
-        after the token the step samples anyway."""
-        proposer, max_model_len = self.proposer, self.max_model_len
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                seq.draft_token_ids = []
-                continue
-            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-            seq.draft_token_ids = proposer.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, room)
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        return self.proposer.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, room)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -262,7 +253,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
         if self.proposer is not None:
-            self._propose()
+            self.scheduler.set_drafts(self._propose)
         output = self.scheduler.schedule()
         self.last_output = output
         if self.block_manager.refused_hits:
@@ -274,8 +265,7 @@ class LLM:
         if violations:
             aborted += self._abort_violating(output, violations)
         if self.draft_stats is not None:
-            self.draft_stats.record(len(output.decodes) + sum(1 for item in output.chunks
-                                                              if item.is_decode and not item.drafts),
+            self.draft_stats.record(len(output.decodes) + sum(1 for item in output.chunks if item.is_decode),
                                     [(len(item.drafts), item.num_accepted) for item in output.chunks
                                      if item.drafts and item.seq.seq_id in sampled])
         if self.integrity is not None:

@@ -25,6 +25,7 @@ its recompute starts from whatever of them is still there.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
@@ -66,7 +67,8 @@ class ScheduledSequence:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.start > 0
+        """One new token after a computed context; a verification of drafts is a chunk even when none stood."""
+        return self.num_new_tokens == 1 and self.start > 0 and not self.drafts
 
 
 class SchedulerOutput:
@@ -256,6 +258,18 @@ class Scheduler:
             seq.num_computed_tokens += steps
             if self.prefix_caching:
                 self._publish(seq)
+
+    def set_drafts(self, propose: Callable[[Sequence, int], list[int]]) -> None:
+        """Drafts for every running sequence about to decode, from `propose(seq, room)`: `room` is what its
+        max_tokens and the context leave after the token the step samples anyway (the engine's proposers and the
+        simulator's draws alike)."""
+        max_model_len = self.config.max_model_len
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                seq.draft_token_ids = []
+                continue
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = propose(seq, room)
 
     def _take_drafts(self, item: ScheduledSequence, bonus: int) -> bool:
         """Appends the drafts that stood and the token sampled after them (until one ends the sequence) and gives

@@ -196,7 +196,7 @@ class Replica:
             if self.fast_forward and (yield from self.decode_window()):
                 continue
             if self.speculation is not None:
-                self.propose()
+                scheduler.set_drafts(self.draw_drafts)
             output = scheduler.schedule()
             if output.is_empty:
                 raise PlannerError("the scheduler formed an empty batch with requests waiting: a request "
@@ -233,16 +233,9 @@ class Replica:
                 sim.observe(timing)
                 sim.finished(seq)
 
-    def propose(self) -> None:
-        """Drafts (placeholder tokens) for the running sequences about to decode, as many as the speculation draws
-        and their max_tokens and context leave."""
-        speculation, rng, max_model_len = self.speculation, self.rng, self.scheduler.config.max_model_len
-        for seq in self.scheduler.running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                seq.draft_token_ids = []
-                continue
-            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
-            seq.draft_token_ids = [0] * speculation.draw_drafts(rng, room)
+    def draw_drafts(self, _seq: Sequence, room: int) -> list[int]:
+        """Placeholder drafts, as many as the speculation draws and `room` allows."""
+        return [0] * self.speculation.draw_drafts(self.rng, room)
 
     def draft_seconds(self, output: SchedulerOutput) -> float:
         """The drafts' own cost in a step: one draft pass per position over the sequences that proposed, each a
