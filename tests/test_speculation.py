@@ -147,3 +147,10 @@ def test_mtp_adds_its_layer_to_the_kv_cache_as_the_engine_does():
     assert drafted.kv_bytes_per_token_per_gpu == kv_bytes_per_token(with_draft_layers(kv_layout(model, "fp8"), 1))
     assert drafted.kv_bytes_per_token_per_gpu * model.num_layers == plain.kv_bytes_per_token_per_gpu * (
         model.num_layers + 1)
+
+
+def test_verify_takes_prompt_lookup_only():
+    from planner.verification.verify import verify
+
+    with pytest.raises(PlannerError, match="takes ngram:K"):
+        verify("no-profile.json", Workload("poisson", 4, rate=1.0), speculative="mtp:1")

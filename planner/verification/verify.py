@@ -192,6 +192,9 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     simulator draws drafts and their acceptance as the engine measured them."""
     from engine.core.profile_format import engine_version
 
+    if speculative is not None and not speculative.startswith("ngram:"):
+        raise PlannerError(f"verify --speculative takes ngram:K (prompt lookup over prompts that repeat themselves), "
+                           f"got {speculative!r}")
     profile = load_profile(profile_path)
     fingerprint = profile["fingerprint"]
     check_fingerprint(fingerprint, "profile", engine_version=engine_version())
