@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from planner.errors import PlannerError
 
-# DeepSeek-V3 technical report (https://arxiv.org/abs/2412.19437, section 5.4.3): "the acceptance rate of the
-# second token prediction ranges between 85% and 90% across various generation topics" (one MTP module, K = 1).
+# DeepSeek-V3 technical report (https://arxiv.org/abs/2412.19437, December 2024, section 5.4.3): "the acceptance
+# rate of the second token prediction ranges between 85% and 90% across various generation topics" (one MTP module,
+# K = 1). Quoted from the report as remembered: the search library here did not hold it to re-read (2026-12-04).
 MTP_ACCEPTANCE = 0.875
 METHODS = ("ngram", "mtp")
 
