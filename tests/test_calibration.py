@@ -28,6 +28,7 @@ from planner.cost.step_model import BatchShape, MeasuredLinears, StepParameters,
 from planner.errors import PlannerError
 
 PROFILES = sorted((Path(__file__).resolve().parent.parent / "planner" / "profiles").glob("cpu-*.profile.json"))
+CUDA_PROFILES = sorted(PROFILES[0].parent.glob("cuda-*.profile.json"))
 SMOLLM_MODEL = {
     "name": "smollm2-135m", "num_layers": 30, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9,
     "num_kv_heads": 3, "head_dim": 64, "vocab_size": 49152, "num_linear_parameters": 106_168_320,
@@ -171,6 +172,18 @@ def test_committed_cpu_profiles_and_their_calibrations():
     assert all(f["hardware"] == "cpu" for f in fingerprints)
 
 
+def test_committed_gpu_profiles_and_their_calibrations():
+    """The first H200 run's profiles (scripts/gpu_check.sh): measured on an H200 by this engine, each with the
+    calibration of its own samples beside it, whose fit stayed within 20% on every regime."""
+    assert len(CUDA_PROFILES) == 4
+    for path in CUDA_PROFILES:
+        profile = load_profile(path)
+        assert profile["fingerprint"]["hardware"] == "h200" and profile["fingerprint"]["device"] == "cuda"
+        calibration = load_calibration(str(path).replace(".profile.json", ".calibration.json"))
+        assert calibration.document["samples_sha256"] == samples_hash(profile)
+        assert all(calibration.document[f"mape_{kind}_pct"] < 20 for kind in REGIMES), path.name
+
+
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
 def test_committed_profile_fits_and_predicts_held_out_points(path, capsys):
     calibration = calibrate(load_profile(path), max_mape=1e9)
@@ -181,7 +194,7 @@ def test_committed_profile_fits_and_predicts_held_out_points(path, capsys):
     assert calibration["holdout_mape_pct"] < MAX_MAPE_PCT
 
 
-@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PROFILES + CUDA_PROFILES, ids=lambda p: p.name)
 def test_no_decode_point_beats_the_configured_peak_bandwidth(path):
     profile = load_profile(path)
     peak = get_hardware(profile["fingerprint"]["hardware"]).bandwidth_bytes_per_s
