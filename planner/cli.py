@@ -338,6 +338,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    from engine.core.profile_format import SAMPLE_KINDS
     from planner.calibration.profile_fit import MAX_MAPE_PCT, calibrate, load_profile
 
     max_mape = MAX_MAPE_PCT if args.max_mape is None else args.max_mape
@@ -357,8 +358,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         calibration = calibrate(load_profile(args.profile), max_mape,
                                 [load_profile(path) for path in args.other_depths])
     out.write_text(json.dumps(calibration, indent=1) + "\n")
-    keys = ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct", "holdout_mape_pct", "parameters")
-    payload = {key: calibration.get(key) for key in keys}
+    keys = (*(f"mape_{kind}_pct" for kind in SAMPLE_KINDS), "holdout_mape_pct", "parameters")
+    payload = {key: calibration[key] for key in keys if key in calibration}
     text = "\n".join(f"{key:18s} {value}" for key, value in payload.items())
     _emit(payload, args.json, text)
 

@@ -54,9 +54,10 @@ MOE_MODEL = {**SMOLLM_MODEL, "name": "moe-mla", "num_experts": 64, "experts_per_
 
 
 def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0, linears: dict | None = None,
-                      model: dict = SMOLLM_MODEL) -> dict:
+                      model: dict = SMOLLM_MODEL, drafts: int = 0) -> dict:
     """Samples whose times the step model itself produced, over the profiler's usual grid (with measured
-    linears in place of the weight and linear-FLOP terms if given)."""
+    linears in place of the weight and linear-FLOP terms if given; with verifications of `drafts` drafts at every
+    decode batch if given)."""
     rng = random.Random(seed)
     measured = MeasuredLinears.of(linears) if linears else None
     costs, peaks = profile_costs(model), profile_peaks(FINGERPRINT)
@@ -66,6 +67,9 @@ def synthetic_profile(params: StepParameters, noise: float = 0.0, seed: int = 0,
     batches += [("mixed", BatchShape.of([c] * b, [(p // k, p // k)] * k))
                 for b, c, p, k in ((4, 256, 64, 1), (16, 256, 512, 1), (32, 1024, 128, 1), (64, 128, 1024, 1),
                                    (8, 256, 1024, 4), (16, 256, 2048, 8))]
+    if drafts:
+        batches += [("verify", BatchShape.of([], [], 0, [(drafts + 1, c + drafts)] * b))
+                    for b in (1, 4, 16, 64, 256) for c in (128, 2048)]
     samples = []
     for kind, batch in batches:
         seconds = step_time(costs, peaks, params, batch, measured) * (1 + rng.uniform(-noise, noise))
@@ -93,6 +97,37 @@ def test_calibration_recovers_the_cost_of_each_expert_run():
     fitted = calibrate(synthetic_profile(truth, model=MOE_MODEL))["parameters"]
     for name, value in truth.__dict__.items():
         assert fitted[name] == pytest.approx(value, rel=0.02, abs=1e-6 if name.endswith("_s") else 1e-3), name
+
+
+def test_calibration_recovers_the_costs_of_verifying_drafts():
+    """A profile with verification points (4 drafts each): the cost of a step that verifies and of each
+    verification come out apart from the prompts' chunk overhead; without such points they stay at zero."""
+    truth = StepParameters(3e-3, 4e-4, 0.35, 0.6, 0.05, 0.2, 0.6, 0.1, 0.2, chunk_overhead_s=2e-2,
+                           verify_step_overhead_s=3e-2, verify_overhead_s=8e-3)
+    fitted = calibrate(synthetic_profile(truth, drafts=4))["parameters"]
+    for name, value in truth.__dict__.items():
+        assert fitted[name] == pytest.approx(value, rel=0.02, abs=1e-6 if name.endswith("_s") else 1e-3), name
+    plain = calibrate(synthetic_profile(truth))["parameters"]
+    assert plain["verify_step_overhead_s"] == plain["verify_overhead_s"] == 0
+
+
+def test_a_verification_is_no_prompt_chunk_and_samples_every_row():
+    """Eight verifications of 4 drafts: no chunk overhead, the step's and each verification's own costs, and the
+    output head on all 5 rows of each (the measured head at 40 rows, not 8)."""
+    from planner.cost.step_model import step_terms
+
+    batch = BatchShape.of([], [], 0, [(5, 300)] * 8)
+    assert (batch.num_prefills, batch.num_verifications, batch.prefill_tokens, batch.logit_rows) == (8, 8, 40, 40)
+    costs, peaks, linears = profile_costs(SMOLLM_MODEL), profile_peaks(FINGERPRINT), MeasuredLinears.of(LINEARS)
+    terms = step_terms(costs, batch, linears)
+    assert (terms.num_prefills, terms.verifying, terms.num_verifications) == (0, 1, 8)
+    assert terms.measured_linear_s == pytest.approx(linears.seconds(40, 40))
+    base = StepParameters(chunk_overhead_s=0.5)
+    priced = StepParameters(chunk_overhead_s=0.5, verify_step_overhead_s=0.03, verify_overhead_s=0.01)
+    assert step_time(costs, peaks, priced, batch) - step_time(costs, peaks, base, batch) == pytest.approx(0.03 + 8 * 0.01)
+    prompts = step_terms(costs, BatchShape.of([], [(5, 300)] * 8))
+    assert prompts.num_prefills == 8 and prompts.verifying == 0
+    assert step_terms(costs, batch).linear_flops - prompts.linear_flops == pytest.approx(32 * costs.head_flops_per_sequence)
 
 
 def test_moe_and_mla_step_terms():

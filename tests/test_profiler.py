@@ -77,3 +77,27 @@ def test_cheap_points_are_timed_more_often_in_later_passes(profile):
     for sample in profile["samples"]:
         assert len(sample["times_s"]) in allowed(sample["times_s"][0]), sample
     assert any(len(sample["times_s"]) > 2 for sample in profile["samples"])
+
+
+def test_a_speculative_engine_is_also_timed_verifying_drafts():
+    """With ngram:3, verification points at each decode batch and the shortest and longest context that fit: every
+    sequence of the step checks 3 drafts (4-token chunks); the other points run without drafts, and the engine's
+    own proposer is back afterwards. A profile's verification is timed again only by an engine drafting as many."""
+    llm = LLM(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu", num_pages=60, page_size=16,
+              max_num_seqs=8, max_num_batched_tokens=256, integrity="off", speculative="ngram:3")
+    proposer = llm.proposer
+    plan = SweepPlan(prefill_tokens=(16,), multi_prefills=(), decode_batches=(1, 3), decode_contexts=(40, 100, 9000),
+                     mixed=((2, 40, 24),), warmup=0, repeats=1)
+    profile = Profiler(llm, plan).run()
+    kinds = [s["kind"] for s in profile["samples"]]
+    assert kinds == ["prefill", "decode", "decode", "decode", "decode", "mixed", "verify", "verify"]
+    verify = [s for s in profile["samples"] if s["kind"] == "verify"]
+    assert [Profiler.point_of(s) for s in verify] == [(1, 40), (3, 40)]      # 9000 does not fit
+    assert verify[1]["batch"] | {"num_verifications": 3, "verification_tokens": 12, "num_decodes": 0,
+                                 "prefill_context_tokens": 3 * 43} == verify[1]["batch"]
+    assert all("num_verifications" not in s["batch"] for s in profile["samples"] if s["kind"] != "verify")
+    assert llm.proposer is proposer and llm.block_manager.num_used_pages == 0
+    profiler = Profiler(llm, SweepPlan(warmup=0, repeats=1))
+    assert profiler.can_remeasure(verify[1]) and profiler.remeasure(verify[1])["batch"] == verify[1]["batch"]
+    two_drafts = LLM(model="smollm2-135m", weights="fp32", device="cpu", num_pages=60, speculative="ngram:2")
+    assert not Profiler(two_drafts, SweepPlan(warmup=0, repeats=1)).can_remeasure(verify[1])

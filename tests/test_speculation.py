@@ -154,3 +154,27 @@ def test_verify_takes_prompt_lookup_only():
 
     with pytest.raises(PlannerError, match="takes ngram:K"):
         verify("no-profile.json", Workload("poisson", 4, rate=1.0), speculative="mtp:1")
+
+
+def test_served_steps_give_each_request_its_own_drafting():
+    """Two requests of 10 prompt tokens: request 0 (12 output tokens) drafts 4 that all stand, then 4 of which 2
+    stand, then has no room for drafts; request 1 (9 output tokens) never drafts. From the steps alone: their
+    outcomes, their draft lengths and acceptance, and a simulation replaying them forms the same steps."""
+    from engine.harness.served_run import ServedStep
+    from planner.simulation.workload import RequestSpec
+    from planner.verification.drafting import ReplayedDrafts, drafting_by_request, served_outcomes
+
+    specs = [RequestSpec(0, 0.0, 10, 12), RequestSpec(1, 0.0, 10, 9)]
+    batches = [[(0, 0, 10), (1, 0, 10)], [(0, 10, 5), (1, 10, 1)], [(0, 15, 5), (1, 11, 1)]]
+    batches += [[(0, 18 + index, 1), (1, 12 + index, 1)] for index in range(3)] + [[(1, start, 1)] for start in (15, 16, 17)]
+    steps = [ServedStep(float(index), 0.1, batch, 0, len(batch)) for index, batch in enumerate(batches)]
+    outcomes = served_outcomes(steps, specs)
+    assert outcomes == {0: [(4, 4), (4, 2), (0, 0), (0, 0), (0, 0)], 1: [(0, 0)] * 8}
+    overall = Speculation("ngram", 4, (0.7,))
+    drafting = drafting_by_request(outcomes, overall)
+    assert drafting[0].acceptance == (1.0, 1.0, 0.5, 1.0) and drafting[0].draft_lengths == (0.6, 0, 0, 0, 0.4)
+    assert drafting[1].acceptance == (0.7,) * 4 and drafting[1].draft_lengths == (1.0, 0, 0, 0, 0)
+    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
+    replay = Speculation("ngram", 4, (0.7,), by_request={id_: ReplayedDrafts(done) for id_, done in outcomes.items()})
+    simulated = Simulation(config, model_step_time(memory_bound_step), speculation=replay).run(specs)
+    assert [sorted(step.batch) for step in simulated.steps] == batches

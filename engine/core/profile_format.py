@@ -10,6 +10,9 @@ from engine.core.scheduler import SchedulerOutput
 
 PROFILE_VERSION = 1
 REGIMES = ("prefill", "decode", "mixed")
+# a profile's sample kinds: the regimes, and steps whose every sequence verifies K drafts (`engine profile
+# --speculative ngram:K`), which a calibration fits its verification costs to
+SAMPLE_KINDS = (*REGIMES, "verify")
 
 
 def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
@@ -18,28 +21,37 @@ def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     items = output.chunks               # the simulator calls this every step: comprehensions, not a loop body
     decode_ends = [start + 1 for start in output.decode_starts]
     decode_ends += [item.end for item in items if item.num_new_tokens == 1 and item.start > 0 and not item.drafts]
+    chunks = [(item.num_new_tokens, item.end) for item in items
+              if not item.drafts and (item.num_new_tokens != 1 or item.start == 0)]
     # a verification of drafts is a chunk of the last token and every draft, whatever stood of them afterwards
-    chunks = [(item.num_new_tokens, item.end) if not item.drafts else
-              (1 + len(item.drafts), item.start + 1 + len(item.drafts))
-              for item in items if item.num_new_tokens != 1 or item.start == 0 or item.drafts]
-    return shape_fields(decode_ends, chunks, index_topk)
+    verifications = [(1 + len(item.drafts), item.start + 1 + len(item.drafts)) for item in items if item.drafts]
+    return shape_fields(decode_ends, chunks, index_topk, verifications)
 
 
 def regime_of(batch: dict[str, int]) -> str:
-    """The profile's three kinds of step: only decodes, only prefill chunks, or both."""
+    """The profile's kinds of step: only decodes, only prefill chunks, or both; or verifications of drafts (beside
+    plain decodes, with no prompt's chunk)."""
+    verifications = batch.get("num_verifications", 0)
+    if verifications and verifications == batch["num_prefills"]:
+        return "verify"
     if not batch["num_prefills"]:
         return "decode"
     return "prefill" if not batch["num_decodes"] else "mixed"
 
 
-def shape_fields(decode_contexts: list[int], chunks: list[tuple[int, int]], index_topk: int = 0) -> dict[str, int]:
-    """The `BatchShape` fields of decodes reading these contexts (their new token included) and prefill chunks
-    of (new tokens, context end)."""
+def shape_fields(decode_contexts: list[int], chunks: list[tuple[int, int]], index_topk: int = 0,
+                 verifications: list[tuple[int, int]] = ()) -> dict[str, int]:
+    """The `BatchShape` fields of decodes reading these contexts (their new token included), prefill chunks of
+    (new tokens, context end) and verifications of drafts, chunks of the same form (counted among the prefill
+    chunks, and apart where there are any: a step that verifies pays its own fixed costs)."""
+    chunks = [*chunks, *verifications]
     shape = {"num_decodes": len(decode_contexts), "decode_context_tokens": sum(decode_contexts),
              "decode_max_context": max(decode_contexts, default=0), "num_prefills": len(chunks),
              "prefill_tokens": sum(n for n, _ in chunks),
              "prefill_pairs": sum(chunk_pairs(n, end) for n, end in chunks),
              "prefill_context_tokens": sum(end for _, end in chunks)}
+    if verifications:
+        shape.update(num_verifications=len(verifications), verification_tokens=sum(n for n, _ in verifications))
     if index_topk:
         scanned = [(n, end) for n, end in chunks if end > index_topk]
         shape.update(decode_selected_tokens=sum(min(end, index_topk) for end in decode_contexts),

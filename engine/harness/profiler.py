@@ -13,7 +13,7 @@ The profile is a versioned JSON document:
                                  triton, dtypes, measured copy bandwidth and matmul rate},
      "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
      "linears": {"rows", "decoder_s", "head_rows", "head_s"}: the linear layers alone, by row count,
-     "samples": [{"kind": "prefill" | "decode" | "mixed", "batch": {the step's shape}, "times_s": [...],
+     "samples": [{"kind": "prefill" | "decode" | "mixed" | "verify", "batch": {the step's shape}, "times_s": [...],
                   "median_s", "bytes_moved", "achieved_gb_s"[, "collective_s", "collective_bytes"]}],
      "collectives": [{"op", "bytes", "ranks", "median_s", "times_s"}]}   (tensor parallelism only)
 
@@ -21,16 +21,22 @@ Under tensor parallelism the times are rank 0's: its share of the work, and the 
 others (rank 0's time inside them, and the bytes it sent, per step).
 
 `batch` holds the counts the planner's step model reads (`engine.core.profile_format.batch_shape`).
+
+An engine with prompt-lookup speculation (`--speculative ngram:K`) is also timed verifying: B sequences at a
+context, each checking K drafts a step (`verify` samples), at every decode batch and the shortest and longest
+decode context; its other points are timed without drafts. This engine runs a verification as a small prefill
+chunk, whose cost the prompts' chunks do not tell (a step's first verification costs more than the rest).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +125,21 @@ def split_prompts(tokens: int, prompts: int) -> list[int]:
 
 
 
+
+
+class RepeatDrafts:
+    """Drafts for the verification points: a sequence's last K tokens again. What a verification costs does not
+    hang on which tokens it checks or on how many stand, and forced drafts make every step of a point verify."""
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def propose(self, seq_id: int, tokens: list[int], room: int) -> list[int]:
+        count = min(self.num_draft_tokens, room)
+        return tokens[-count:] if count > 0 else []
+
+    def release(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
 
 
 class Profiler:
@@ -238,6 +259,20 @@ class Profiler:
                 and batch + prefill <= self.llm.config.max_num_batched_tokens
                 and self._prompts_fit(prefill, prompts, batch * pages_for_tokens(context + 2, page)))
 
+    def _drafts(self) -> int:
+        """K of the engine's prompt-lookup speculation; 0 without it (MTP's drafts are the model's own)."""
+        speculative = self.llm.config.speculative_config
+        return speculative.num_draft_tokens if speculative is not None and speculative.method == "ngram" else 0
+
+    def _verify_fits(self, batch: int, context: int) -> bool:
+        drafts = self._drafts()
+        steps = (self.plan.warmup + max(self.plan.repeats, MAX_TIMINGS_PER_PASS) + 1) * (drafts + 1)
+        page = self.llm.config.page_size
+        return (drafts > 0 and context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
+                and batch * (drafts + 1) <= self.llm.config.max_num_batched_tokens
+                and batch * pages_for_tokens(context + steps, page) * page <= self.llm.capacity_tokens
+                and batch * context <= (self.plan.max_kv_tokens or self.llm.capacity_tokens))
+
     def prefill_points(self) -> list[int]:
         return [n for n in self.plan.prefill_tokens if self._prefill_fits(n)]
 
@@ -250,6 +285,11 @@ class Profiler:
     def mixed_points(self) -> list[tuple[int, ...]]:
         return [point for point in self.plan.mixed if self._mixed_fits(*point)]
 
+    def verify_points(self) -> list[tuple[int, int]]:
+        """With prompt-lookup speculation: every decode batch at the shortest and the longest decode context."""
+        contexts = dict.fromkeys((min(self.plan.decode_contexts), max(self.plan.decode_contexts)))
+        return [(b, c) for b in self.plan.decode_batches for c in contexts if self._verify_fits(b, c)]
+
     @staticmethod
     def point_of(sample: dict[str, Any]) -> tuple[int, ...]:
         """A recorded sample's sweep point: (tokens[, prompts]), (batch, context) or
@@ -257,6 +297,10 @@ class Profiler:
         batch = sample["batch"]
         if sample["kind"] == "decode":
             return batch["num_decodes"], batch["decode_context_tokens"] // batch["num_decodes"]
+        if sample["kind"] == "verify":      # each a chunk of K + 1 tokens ending at context + K
+            count = batch["num_verifications"]
+            drafts = batch["verification_tokens"] // count - 1
+            return count, batch["prefill_context_tokens"] // count - drafts
         prompts = (batch["num_prefills"],) if batch["num_prefills"] > 1 else ()
         if sample["kind"] == "prefill":
             return batch["prefill_tokens"], *prompts
@@ -265,12 +309,18 @@ class Profiler:
 
     def can_remeasure(self, sample: dict[str, Any]) -> bool:
         """Whether this engine (its pool, its limits) can run a step like a profile's `sample`."""
-        fits = {"prefill": self._prefill_fits, "decode": self._decode_fits, "mixed": self._mixed_fits}
+        fits = {"prefill": self._prefill_fits, "decode": self._decode_fits, "mixed": self._mixed_fits,
+                "verify": self._verify_fits}
+        batch = sample["batch"]
+        if sample["kind"] == "verify" and batch["verification_tokens"] != batch["num_verifications"] * (
+                self._drafts() + 1):
+            return False
         return fits[sample["kind"]](*self.point_of(sample))
 
     def remeasure(self, sample: dict[str, Any]) -> dict[str, Any]:
         """The same sweep point again, now: how fast this machine runs today what it was profiled on."""
-        measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed}
+        measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed,
+                   "verify": self.profile_verify}
         return measure[sample["kind"]](*self.point_of(sample), warmup=self.plan.warmup, repeats=self.plan.repeats)
 
     def _time_from_scratch(self, kind: str, set_up: Callable[[], None], warmup: int, repeats: int) -> dict[str, Any]:
@@ -288,11 +338,22 @@ class Profiler:
         for count in split_prompts(tokens, prompts):
             self.llm.add_request(self._tokens(count), SamplingParams(max_tokens=1, ignore_eos=True), next(self._salts))
 
-    def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
-        return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)
+    @contextlib.contextmanager
+    def _drafting(self, proposer: RepeatDrafts | None) -> Iterator[None]:
+        """The engine's proposer swapped for the point's: none for plain steps (a speculative engine's prefill,
+        decode and mixed points time what an engine without drafts runs), `RepeatDrafts` for verifications."""
+        kept, self.llm.proposer = self.llm.proposer, proposer
+        try:
+            yield
+        finally:
+            self.llm.proposer = kept
 
-    def profile_decode(self, batch: int, context: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
-        self._seed_decodes(batch, context, warmup + repeats + 1)
+    def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        with self._drafting(None):
+            return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)
+
+    def _time_steps(self, kind: str, warmup: int, repeats: int) -> dict[str, Any]:
+        """Times the seeded sequences' next steps, then clears the engine."""
         times, output = [], None
         for index in range(warmup + repeats):
             elapsed, step_output = self._timed_step()
@@ -300,14 +361,27 @@ class Profiler:
                 times.append(elapsed)
                 output = output or step_output
         self._clear()
-        return self._record("decode", times, output)
+        return self._record(kind, times, output)
+
+    def profile_decode(self, batch: int, context: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        self._seed_decodes(batch, context, warmup + repeats + 1)
+        with self._drafting(None):
+            return self._time_steps("decode", warmup, repeats)
 
     def profile_mixed(self, batch: int, context: int, prefill: int, prompts: int = 1, warmup: int = 1,
                       repeats: int = 1) -> dict[str, Any]:
         def set_up() -> None:
             self._seed_decodes(batch, context, 2)
             self._add_prefills(prefill, prompts)
-        return self._time_from_scratch("mixed", set_up, warmup, repeats)
+        with self._drafting(None):
+            return self._time_from_scratch("mixed", set_up, warmup, repeats)
+
+    def profile_verify(self, batch: int, context: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        """`batch` sequences at `context` whose every step verifies K drafts (`RepeatDrafts`)."""
+        drafts = self._drafts()
+        self._seed_decodes(batch, context, (warmup + repeats + 1) * (drafts + 1))
+        with self._drafting(RepeatDrafts(drafts)):
+            return self._time_steps("verify", warmup, repeats)
 
     def _linear_layers(self) -> list[torch.nn.Module]:
         kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
@@ -384,6 +458,9 @@ class Profiler:
                   + (f" in {point[3]} prompts" if len(point) == 4 else ""),
                   lambda w, r, point=point: self.profile_mixed(*point, warmup=w, repeats=r))
                  for point in self.mixed_points()]
+        jobs += [(f"verify {b} x {self._drafts()} drafts at context {c}",
+                  lambda w, r, b=b, c=c: self.profile_verify(b, c, self.plan.warmup, r))
+                 for b, c in self.verify_points()]
         if not jobs:
             raise ConfigError("no profiling point fits this engine's KV pool and context")
         # A MoE model's linears are not timed apart (which experts run depends on the tokens' routing). The

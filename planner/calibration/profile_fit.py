@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from engine.core.profile_format import PROFILE_VERSION, REGIMES
+from engine.core.profile_format import PROFILE_VERSION, SAMPLE_KINDS
 from planner.calibration.parameters import CALIBRATION_VERSION
 from planner.catalog.hardware import catalogue
 from planner.cost.communication import fit_alpha_beta
@@ -53,7 +53,8 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
           "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
           "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6),
           "request_overhead_s": (0.0, 2.0, 1e-2),
-          "expert_gemm_scale": (0.01, 1.5, 0.1)}
+          "expert_gemm_scale": (0.01, 1.5, 0.1), "verify_step_overhead_s": (0.0, 1.0, 1e-3),
+          "verify_overhead_s": (0.0, 0.1, 1e-3)}
 # coefficients one model's profile cannot tell from the step overhead (its kernels are as many at every point):
 # fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
@@ -70,7 +71,8 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
            "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches",
-           "expert_gemm_scale": "expert_flops"}
+           "expert_gemm_scale": "expert_flops", "verify_step_overhead_s": "verifying",
+           "verify_overhead_s": "num_verifications"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:
@@ -233,7 +235,8 @@ def fit(points: Points, peaks: Peaks) -> StepParameters:
     for overlap, efficiency in itertools.product((0.0, 0.5, 1.0), (0.05, 0.2, 0.8)):
         start = {"step_overhead_s": min(points.seconds) / 4, "seq_overhead_s": 1e-5, "overlap": overlap,
                  "linear_scale": 1.0, "chunk_overhead_s": 1e-3, "expert_overhead_s": 1e-4,
-                 "collective_latency_s": 1e-4, "link_efficiency": 1.0, "kernel_launch_s": 1e-6}
+                 "collective_latency_s": 1e-4, "link_efficiency": 1.0, "kernel_launch_s": 1e-6,
+                 "verify_step_overhead_s": 1e-3, "verify_overhead_s": 1e-3}
         x0 = np.array([start.get(name, efficiency) for name in PARAMETER_NAMES])[free]
         result = least_squares(residuals, x0, bounds=(lower, upper), loss="soft_l1", f_scale=0.05, x_scale=scale,
                                max_nfev=4000)
@@ -247,9 +250,9 @@ def mape_pct(points: Points, peaks: Peaks, params: StepParameters) -> float:
 
 
 def holdout_split(points: Points) -> np.ndarray:
-    """Every other point of each regime, in the profile's order: both halves span the same ranges."""
+    """Every other point of each kind, in the profile's order: both halves span the same ranges."""
     mask = np.zeros(len(points.seconds), dtype=bool)
-    for kind in REGIMES:
+    for kind in SAMPLE_KINDS:
         index = np.flatnonzero(points.kinds == kind)
         mask[index[::2]] = True
     return mask
@@ -259,7 +262,7 @@ def fit_report(points: Points, peaks: Peaks, max_mape: float) -> dict[str, Any]:
     """Fitted parameters, the error per regime and on held-out points; PlannerError above `max_mape` percent."""
     params = fit(points, peaks)
     report = {f"mape_{kind}_pct": round(mape_pct(points.subset(points.kinds == kind), peaks, params), 3)
-              for kind in REGIMES if (points.kinds == kind).any()}
+              for kind in SAMPLE_KINDS if (points.kinds == kind).any()}
     train = holdout_split(points)
     holdout = None
     if train.sum() >= free_parameters(points).sum() and (~train).any():

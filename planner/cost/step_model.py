@@ -9,7 +9,8 @@ chunks (many new tokens, reading the chunk's context so far). Its cost has four 
              (this engine's CPU decode attention pads each decode to the batch's longest context)
     flops  = 2 × active linear parameters per new token + attention (query × cached-key pairs; MLA's decode
              pairs in the latent space, its prefill pairs expanded per head, and its prefill re-expands the
-             latents of a chunk's whole context) + the output head for each sequence's sampled row
+             latents of a chunk's whole context) + the output head for each row a sequence samples (one; all
+             K + 1 rows of a verification of K drafts)
 
 A MoE step runs each routed expert its tokens touch (expected distinct experts for B tokens and top-k):
 it reads those experts' weights, and each costs a fixed `expert_overhead` (gather, launch, scatter).
@@ -21,6 +22,7 @@ it reads those experts' weights, and each costs a fixed `expert_overhead` (gathe
               + routed experts' flops / (compute_efficiency × expert_gemm_scale × peak FLOP/s)
               + attention flops / (attention_efficiency × peak FLOP/s)
     t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
+                + verify_step_overhead × [step verifies drafts] + verify_overhead × verifications
                 + expert_overhead × experts run + kernel_launch × kernels
                 + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
@@ -43,7 +45,7 @@ libraries change kernels with the row count, so a matmul's time is not smooth in
 decodes can cost more than one of 16. Then
 
     t_step = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
-             + linear_scale × (decoder(new tokens) + head(sequences))
+             + linear_scale × (decoder(new tokens) + head(rows sampled))
              + max(t_kv, t_attention) + (1 - overlap) × min(t_kv, t_attention)
 
 DeepSeek Sparse Attention (GLM 5.2) splits attention in two: an indexer scans every cached token (its keys,
@@ -159,6 +161,9 @@ class BatchShape:
     prefill_selected_pairs: int | None = None   # (row, token) pairs attended under the top-k cap
     prefill_indexed_pairs: int = 0              # pairs the indexer scores: chunks whose context exceeds index_topk
     prefill_indexed_context_tokens: int = 0     # the indexer keys those chunks read
+    # speculative decoding: of the prefill chunks, those verifying drafts (the last token and K drafts each)
+    num_verifications: int = 0
+    verification_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -168,11 +173,17 @@ class BatchShape:
     def new_tokens(self) -> int:
         return self.num_decodes + self.prefill_tokens
 
+    @property
+    def logit_rows(self) -> int:
+        """Rows the output head computes: one per sequence, every row of a verification."""
+        return self.num_seqs + self.verification_tokens - self.num_verifications
+
     @classmethod
-    def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], index_topk: int = 0) -> BatchShape:
-        """From decode context lengths and (new tokens, context end) of each prefill chunk; with sparse
-        attention's `index_topk`, what its indexer scans and its attention reads too."""
-        return cls(**shape_fields(decode_contexts, prefill_chunks, index_topk))
+    def of(cls, decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], index_topk: int = 0,
+           verifications: list[tuple[int, int]] = ()) -> BatchShape:
+        """From decode context lengths, (new tokens, context end) of each prefill chunk and of each verification
+        of drafts; with sparse attention's `index_topk`, what its indexer scans and its attention reads too."""
+        return cls(**shape_fields(decode_contexts, prefill_chunks, index_topk, verifications))
 
 
 @dataclass(frozen=True)
@@ -204,6 +215,11 @@ class StepParameters:
     # the routed experts' grouped GEMMs against the dense ones: many narrow matrices (an expert's slice under tensor
     # parallelism is a few hundred columns), each with a few tokens, reach a smaller share of the peak. 1: the same
     expert_gemm_scale: float = 1.0
+    # speculative decoding: a step that verifies drafts, once, and each verification in it. This engine runs a
+    # verification as a small prefill chunk, not at a prompt chunk's cost (chunk_overhead_s) but not free either:
+    # fitted to a profile's verification points, else zero (a GPU engine verifies in its decode kernels)
+    verify_step_overhead_s: float = 0.0
+    verify_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -293,6 +309,8 @@ class StepTerms:
     collective_wire_bytes: float = 0.0  # what each GPU sends in them (ring algorithms)
     kernel_launches: float = 0.0        # kernels the step launches
     expert_flops: float = 0.0           # the routed experts' part of linear_flops
+    verifying: float = 0.0              # 1 for a step that verifies drafts
+    num_verifications: float = 0.0      # the verifications in it (not among num_prefills, the prompts' chunks)
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -334,19 +352,21 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     expansion = costs.prefill_context_flops_per_token * (batch.prefill_context_tokens - batch.prefill_tokens)
     experts = costs.experts_touched(batch.new_tokens)
     calls, wire = collective_terms(costs, batch)
+    prompt_chunks = batch.num_prefills - batch.num_verifications
+    verifying = float(batch.num_verifications > 0)
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
-                         batch.num_prefills, linears.seconds(batch.new_tokens, batch.num_seqs), experts, calls, wire,
-                         costs.kernels_per_step)
-    linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.num_seqs
+                         prompt_chunks, linears.seconds(batch.new_tokens, batch.logit_rows), experts, calls, wire,
+                         costs.kernels_per_step, 0.0, verifying, batch.num_verifications)
+    linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.logit_rows
               + expansion)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
     weights = costs.weight_bytes_read(batch.new_tokens)
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, batch.num_prefills, 0.0, experts, calls, wire, costs.kernels_per_step,
-                     costs.expert_flops_per_token * batch.new_tokens)
+                     batch.num_seqs, prompt_chunks, 0.0, experts, calls, wire, costs.kernels_per_step,
+                     costs.expert_flops_per_token * batch.new_tokens, verifying, batch.num_verifications)
 
 
 def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float]:
@@ -378,7 +398,8 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
     memory_is_shorter = memory <= compute
     return {
         "fixed": (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
-                  + params.chunk_overhead_s * terms.num_prefills),
+                  + params.chunk_overhead_s * terms.num_prefills + params.verify_step_overhead_s * terms.verifying
+                  + params.verify_overhead_s * terms.num_verifications),
         "launches": params.kernel_launch_s * terms.kernel_launches,
         "experts": params.expert_overhead_s * terms.expert_calls,
         "measured_linears": params.linear_scale * terms.measured_linear_s,

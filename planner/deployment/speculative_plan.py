@@ -61,7 +61,7 @@ def speculative_gain(capacity: Capacity, speculation: Speculation) -> Speculativ
     rows, stops = [], None
     for batch in batches:
         decode = step(BatchShape.of([context] * batch, [], topk))
-        verify = step(BatchShape.of([], [(drafts + 1, context + drafts)] * batch, topk))
+        verify = step(BatchShape.of([], [], topk, [(drafts + 1, context + drafts)] * batch))
         drafting = speculation.draft_step_share * drafts * decode
         plain, drafted = batch / decode, batch * speculation.expected_tokens_per_step / (verify + drafting)
         rows.append((batch, plain, drafted))

@@ -213,7 +213,8 @@ class Replica:
             if self.speculation is not None:
                 for item in output.chunks:
                     if item.drafts:
-                        item.accept(self.speculation.draw_accepted(self.rng, len(item.drafts)))
+                        drafting = self.speculation.of_request(item.seq.seq_id)
+                        item.accept(drafting.draw_accepted(self.rng, len(item.drafts)))
             # a decode samples its request's first token only when the prompt's last chunk left one token
             first_tokens = [seq for seq in output.decodes if not seq.output_token_ids]
             for seq in first_tokens + [item.seq for item in output.chunks if item.samples]:
@@ -233,9 +234,9 @@ class Replica:
                 sim.observe(timing)
                 sim.finished(seq)
 
-    def draw_drafts(self, _seq: Sequence, room: int) -> list[int]:
-        """Placeholder drafts, as many as the speculation draws and `room` allows."""
-        return [0] * self.speculation.draw_drafts(self.rng, room)
+    def draw_drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Placeholder drafts, as many as the request's speculation draws and `room` allows."""
+        return [0] * self.speculation.of_request(seq.seq_id).draw_drafts(self.rng, room)
 
     def draft_seconds(self, output: SchedulerOutput) -> float:
         """The drafts' own cost in a step: one draft pass per position over the sequences that proposed, each a

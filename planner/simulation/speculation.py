@@ -10,7 +10,8 @@ stands once draft i stood (the last value holds for later positions), so a const
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from planner.errors import PlannerError
 
@@ -19,6 +20,14 @@ from planner.errors import PlannerError
 # K = 1). Quoted from the report as remembered: the search library here did not hold it to re-read (2026-12-04).
 MTP_ACCEPTANCE = 0.875
 METHODS = ("ngram", "mtp")
+
+
+class Drafting(Protocol):
+    """How one request drafts: a `Speculation`'s draws, or a served run's outcomes replayed."""
+
+    def draw_drafts(self, rng: random.Random, room: int) -> int: ...
+
+    def draw_accepted(self, rng: random.Random, drafts: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,10 @@ class Speculation:
     # what proposing one draft costs, as a share of a decode step of the same batch (prompt lookup: nothing; an
     # MTP module: its layer and the output head, `planner.deployment.simulate.mtp_draft_share`)
     draft_step_share: float = 0.0
+    # requests' own drafting by request id, where measured (a verification hands over the engine's: prompt lookup
+    # drafts all of one request and none of another, and the one that never drafts sets the makespan); the others
+    # draw from the figures above
+    by_request: dict[int, Drafting] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +77,10 @@ class Speculation:
             except ValueError:
                 raise PlannerError(f"--acceptance takes a rate or comma-separated rates, got {acceptance!r}") from None
         return cls(method, int(count), rates)
+
+    def of_request(self, request_id: int) -> Drafting:
+        """How the request drafts: its own measured figures, else the deployment's."""
+        return self.by_request.get(request_id, self) if self.by_request else self
 
     def rate(self, position: int) -> float:
         return self.acceptance[min(position, len(self.acceptance) - 1)]

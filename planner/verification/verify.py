@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.core.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.core.metrics import summarize
-from engine.core.profile_format import REGIMES, batch_shape, regime_of
+from engine.core.profile_format import REGIMES, SAMPLE_KINDS, batch_shape, regime_of
 from planner.calibration.parameters import Calibration, check_fingerprint
 from planner.calibration.profile_fit import calibrate, load_profile, profile_costs
 from planner.catalog.models import get_model
@@ -43,6 +43,7 @@ from planner.simulation.simulator import (
 from planner.simulation.speculation import Speculation
 from planner.simulation.workload import RequestSpec, Workload
 from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
+from planner.verification.drafting import ReplayedDrafts, drafting_by_request, served_outcomes
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
 from planner.verification.probe_engine import ProbeEngine
 
@@ -281,9 +282,11 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
         steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
     stats = llm.draft_stats
-    speculation = None if stats is None else Speculation(
-        "ngram", llm.config.speculative_config.num_draft_tokens, tuple(stats.acceptance_by_position()) or (0.0,),
-        tuple(stats.draft_length_shares()))
+    speculation = None
+    if stats is not None:
+        overall = Speculation("ngram", llm.config.speculative_config.num_draft_tokens,
+                              tuple(stats.acceptance_by_position()) or (0.0,), tuple(stats.draft_length_shares()))
+        speculation = replace(overall, by_request=drafting_by_request(served_outcomes(served.steps, specs), overall))
     return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs, speculation,
                        None if stats is None else stats.summary())
 
@@ -343,7 +346,8 @@ def profile_step_time(calibration: Calibration, profile: dict[str, Any]) -> Mode
 
 def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun, specs: list) -> Predictions:
     """The workload through the simulator three ways: priced by the calibration, replaying the engine's own step
-    durations (the step model priced beside them), and priced at the machine's measured speed."""
+    durations (the step model priced beside them; with speculation also its drafts and what stood of them), and
+    priced at the machine's measured speed."""
     model = profile_step_time(calibration, profile)
     speculation = run.speculation
     simulated = Simulation(run.config, model, record_steps=True, speculation=speculation).run(list(specs))
@@ -354,7 +358,9 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
         modelled.append((regime_of(batch_shape(output)), model(output)))
         return replay_step(output)
 
-    replayed = Simulation(run.config, replay_and_model, record_steps=True, speculation=speculation).run(list(specs))
+    replaying = None if speculation is None else replace(speculation, by_request={
+        request_id: ReplayedDrafts(done) for request_id, done in served_outcomes(run.served.steps, specs).items()})
+    replayed = Simulation(run.config, replay_and_model, record_steps=True, speculation=replaying).run(list(specs))
     at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
     corrected = Simulation(run.config, at_served_speed, speculation=speculation)
     at_served_speed.clock = lambda: corrected.env.now
@@ -405,7 +411,7 @@ def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) 
     error of one step and the error of their summed time, which is what throughput sees. This separates
     the model's error from what queueing makes of it."""
     out = {}
-    for name in ("prefill", "decode", "mixed", "all"):
+    for name in (*SAMPLE_KINDS, "all"):
         pairs = [(p, m) for (kind, p), m in zip(modelled, measured) if name in (kind, "all") and m > 0]
         if pairs:
             predicted, actual = np.array(pairs).T
