@@ -24,7 +24,7 @@ def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:
     chunks = [(item.num_new_tokens, item.end) for item in items
               if not item.drafts and (item.num_new_tokens != 1 or item.start == 0)]
     # a verification of drafts is a chunk of the last token and every draft, whatever stood of them afterwards
-    verifications = [(1 + len(item.drafts), item.start + 1 + len(item.drafts)) for item in items if item.drafts]
+    verifications = [(item.scheduled_tokens, item.start + item.scheduled_tokens) for item in items if item.drafts]
     return shape_fields(decode_ends, chunks, index_topk, verifications)
 
 

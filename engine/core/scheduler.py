@@ -57,6 +57,11 @@ class ScheduledSequence:
         drafts = f", drafts={len(self.drafts)}" if self.drafts else ""
         return f"ScheduledSequence({self.seq.seq_id}, start={self.start}, new={self.num_new_tokens}{drafts})"
 
+    @property
+    def scheduled_tokens(self) -> int:
+        """The tokens the step computes for it: with drafts, its last token and every draft, whatever stood."""
+        return 1 + len(self.drafts) if self.drafts else self.num_new_tokens
+
     def accept(self, num_accepted: int) -> None:
         """The first `num_accepted` drafts stood: the step computed the last token and those."""
         if not 0 <= num_accepted <= len(self.drafts):

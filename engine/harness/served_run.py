@@ -89,9 +89,8 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
         now = end - origin if clock == "wall" else now + (end - start)
         duration = now - step_start
         output = llm.last_output
-        steps.append(ServedStep(step_start, duration,    # a verification as scheduled: its last token and every draft
-                                [(index_of[item.seq.seq_id], item.start, 1 + len(item.drafts) if item.drafts
-                                  else item.num_new_tokens) for item in output.scheduled],
+        steps.append(ServedStep(step_start, duration,
+                                [(index_of[item.seq.seq_id], item.start, item.scheduled_tokens) for item in output.scheduled],
                                 llm.block_manager.num_used_pages, len(llm.scheduler.running)))
         for item in output.scheduled:
             timing = timings[index_of[item.seq.seq_id]]

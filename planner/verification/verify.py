@@ -254,6 +254,8 @@ class VerifiedRun:
     specs: list[RequestSpec]            # the workload's requests with the token ids the engine was given
     speculation: Speculation | None = None      # the engine's drafts and acceptance, as the simulator draws them
     draft_summary: dict[str, Any] | None = None
+    # per request id, each decode step's (drafts checked, drafts that stood), as served
+    draft_outcomes: dict[int, list[tuple[int, int]]] | None = None
 
 
 def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int],
@@ -282,13 +284,14 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
         steal = steal_pct(cpu_before, cpu_ticks())
     speeds = probes.local_speeds([served_shape(step) for step in served.steps])
     stats = llm.draft_stats
-    speculation = None
+    speculation, outcomes = None, None
     if stats is not None:
         overall = Speculation("ngram", llm.config.speculative_config.num_draft_tokens,
                               tuple(stats.acceptance_by_position()) or (0.0,), tuple(stats.draft_length_shares()))
-        speculation = replace(overall, by_request=drafting_by_request(served_outcomes(served.steps, specs), overall))
+        outcomes = served_outcomes(served.steps, specs)
+        speculation = replace(overall, by_request=drafting_by_request(outcomes, overall))
     return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs, speculation,
-                       None if stats is None else stats.summary())
+                       None if stats is None else stats.summary(), outcomes)
 
 
 def _engine_requests(specs: list[RequestSpec], llm: LLM,
@@ -359,7 +362,7 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
         return replay_step(output)
 
     replaying = None if speculation is None else replace(speculation, by_request={
-        request_id: ReplayedDrafts(done) for request_id, done in served_outcomes(run.served.steps, specs).items()})
+        request_id: ReplayedDrafts(done) for request_id, done in run.draft_outcomes.items()})
     replayed = Simulation(run.config, replay_and_model, record_steps=True, speculation=replaying).run(list(specs))
     at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
     corrected = Simulation(run.config, at_served_speed, speculation=speculation)
