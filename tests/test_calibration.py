@@ -210,7 +210,7 @@ def test_committed_cpu_profiles_and_their_calibrations():
 def test_committed_gpu_profiles_and_their_calibrations():
     """The first H200 run's profiles (scripts/gpu_check.sh): measured on an H200 by this engine, each with the
     calibration of its own samples beside it, whose fit stayed within 20% on every regime."""
-    assert len(CUDA_PROFILES) == 4
+    assert len(CUDA_PROFILES) == 7
     for path in CUDA_PROFILES:
         profile = load_profile(path)
         assert profile["fingerprint"]["hardware"] == "h200" and profile["fingerprint"]["device"] == "cuda"
