@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds requests in flight may run on after SIGTERM before they are aborted")
     serve.add_argument("--fault-injection", action="store_true",
                        help="testing only: POST /debug/faults injects KV-cache integrity faults (the chaos soak)")
+    serve.add_argument("--role", choices=("single", "prefill", "decode"), default="single",
+                       help="disaggregated serving: prefill answers POST /v1/prefill with a prompt's KV pages; decode "
+                            "pulls them for requests that name a prefill replica (engine proxy sends those)")
+
+    proxy = commands.add_parser("proxy", help="one OpenAI endpoint in front of prefill and decode replicas (xPyD)")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill replicas (--role prefill)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode replicas (--role decode)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
     return parser
 
 
@@ -221,7 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = ServerConfig(args.served_model_name or args.model, args.host, args.port, args.max_waiting,
                           args.step_trace, args.api_key, args.metrics_api_key, args.max_body_bytes,
-                          args.drain_timeout)
+                          args.drain_timeout, args.role)
     with LLM(engine_config(args, device=args.device, integrity=args.integrity, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                            max_model_len=args.max_model_len)) as llm:
@@ -229,11 +238,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
         run_server(llm, config, inject if args.fault_injection else None)
 
 
+def cmd_proxy(args: argparse.Namespace) -> None:
+    from engine.server.proxy import ProxyConfig, run_proxy
+
+    config = ProxyConfig(tuple(args.prefill), tuple(args.decode), args.host, args.port)
+    print(f"engine: proxy on http://{config.host}:{config.port}: {len(config.prefill_urls)} prefill and "
+          f"{len(config.decode_urls)} decode replicas", file=sys.stderr, flush=True)
+    run_proxy(config)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         {"generate": cmd_generate, "info": cmd_info, "eval": cmd_eval, "profile": cmd_profile,
-         "serve": cmd_serve}[args.command](args)
+         "serve": cmd_serve, "proxy": cmd_proxy}[args.command](args)
     except EngineError as error:
         print(f"engine: error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -11,7 +11,15 @@ import torch
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, SchedulerConfig
 from engine.core.errors import ConfigError, RequestError
-from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, with_draft_layers
+from engine.core.handoff import KVHandoff
+from engine.core.memory import (
+    GIB,
+    kv_bytes_per_token,
+    kv_layout,
+    kv_pages_for_budget,
+    pages_for_tokens,
+    with_draft_layers,
+)
 from engine.core.reference_text import reference_text
 from engine.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
@@ -41,6 +49,7 @@ class RequestOutput:
     finish_reason: str
     num_preemptions: int
     num_cached_tokens: int = 0          # prompt tokens a prefix-cache hit supplied (OpenAI's `cached_tokens`)
+    handoff: KVHandoff | None = None    # a disaggregated prefill's: the prompt's KV pages and first token
 
 
 def calibration_tokens(tokenizer: Tokenizer | None, vocab_size: int, count: int) -> list[int]:
@@ -105,6 +114,10 @@ class LLM:
         self.draft_stats = None if speculative is None else DraftStats(speculative.num_draft_tokens)
         self.last_output: SchedulerOutput | None = None       # the batch of the latest step, for profiling
         self.integrity_detections = 0       # refused cache hits (`_report_refused_hits`); aborts are counted apart
+        self.handoff_corruptions = 0        # hand-offs that arrived with a page failing its checksum
+        self._handoffs: dict[int, KVHandoff] = {}            # arrivals not admitted yet: their pages
+        self._handoff_params: dict[int, SamplingParams] = {}     # prefills that hand off: the request's own params
+        self._finished_arrivals: list[Sequence] = []         # arrivals whose first token already ended them
         if self.kv_cache.is_fp8:
             self.calibrate_kv_scales()
 
@@ -180,22 +193,74 @@ class LLM:
                                f"{self.capacity_tokens} tokens")
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     cache_salt: str | None = None) -> Sequence:
+                     cache_salt: str | None = None, hands_off: bool = False) -> Sequence:
         """A validated request, not queued yet: a server validates in its handler and queues between steps.
         A bad one raises RequestError. Requests share cached KV pages only with requests of the same
-        `cache_salt` (None: the unsalted ones)."""
+        `cache_salt` (None: the unsalted ones). One that `hands_off` (a disaggregated prefill) runs its prompt,
+        samples the first token and ends with its pages copied out (`RequestOutput.handoff`) for a decode
+        replica, which decodes the rest under `params`."""
         params = params or SamplingParams()
         token_ids = self.encode_prompt(prompt)
-        self._validate(token_ids, params.max_tokens)
-        return Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter(),
-                        cache_salt=cache_salt)
+        if hands_off:
+            self._check_single_device("hand off a prompt's pages")
+        self._validate(token_ids, 1 if hands_off else params.max_tokens)
+        seq = Sequence(token_ids, replace(params, max_tokens=1) if hands_off else params,
+                       self.model_config.eos_token_ids, arrival_time=time.perf_counter(), cache_salt=cache_salt)
+        if hands_off:
+            seq.keeps_pages = True
+            self._handoff_params[seq.seq_id] = params
+        return seq
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, hands_off: bool = False) -> int:
         """Validates and queues a request; a bad one raises RequestError and changes nothing."""
-        seq = self.new_sequence(prompt, params, cache_salt)
+        seq = self.new_sequence(prompt, params, cache_salt, hands_off)
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _check_single_device(self, what: str) -> None:
+        if self.workers is not None:
+            raise RequestError(f"an engine of --tensor-parallel {self.config.tensor_parallel} cannot {what} yet: "
+                               f"hand-offs move one device's pages")
+
+    def new_handoff(self, handoff: KVHandoff, params: SamplingParams | None = None) -> Sequence:
+        """A validated arrival from a prefill replica, not queued yet (`add_handoff`): its prompt computed, its
+        first token sampled, under `params` (default: the ones it came with). RequestError if it was computed for
+        another cache (layout, page size, FP8 scales) or does not fit here; its pages are checked on admission."""
+        self._check_single_device("take a hand-off")
+        if handoff.layout != self.kv_layout:
+            raise RequestError(f"the hand-off was computed for the KV layout {handoff.layout}; this engine's is "
+                               f"{self.kv_layout}")
+        if handoff.page_size != self.config.page_size:
+            raise RequestError(f"the hand-off has pages of {handoff.page_size} tokens; this engine's hold "
+                               f"{self.config.page_size}")
+        if handoff.scales_digest != self.kv_cache.scales_digest():
+            raise RequestError("the hand-off's FP8 KV scales differ from this engine's: its pages would mean other "
+                               "values here")
+        params = params or handoff.params
+        token_ids = list(handoff.prompt_token_ids)
+        self._validate(token_ids, params.max_tokens)
+        if not 0 <= handoff.first_token < self.model_config.vocab_size:
+            raise RequestError(f"the hand-off's first token {handoff.first_token!r} is outside the vocabulary")
+        seq = Sequence(token_ids, params, self.model_config.eos_token_ids, arrival_time=time.perf_counter(),
+                       cache_salt=handoff.cache_salt)
+        seq.num_computed_tokens = len(token_ids)
+        seq.append_token(handoff.first_token, self.max_model_len)
+        return seq
+
+    def add_handoff(self, handoff: KVHandoff, params: SamplingParams | None = None) -> int:
+        """Validates and queues an arrival (`new_handoff`); returns its request id."""
+        seq = self.new_handoff(handoff, params)
+        self.queue_handoff(seq, handoff)
+        return seq.seq_id
+
+    def queue_handoff(self, seq: Sequence, handoff: KVHandoff) -> None:
+        """Queues an arrival `new_handoff` made: one its first token ended answers at the next step."""
+        if seq.is_finished:
+            self._finished_arrivals.append(seq)
+            return
+        self._handoffs[seq.seq_id] = handoff
+        self.scheduler.add_computed(seq)
 
     def score(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [n, vocab] at every prompt position, through the paged cache (for evaluation).
@@ -221,7 +286,7 @@ class LLM:
         return self._finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._finished_arrivals)
 
     def _check_speculative(self, speculative: SpeculativeConfig | None) -> None:
         """What the engine drafts with: prompt lookup (ngram:K) anywhere; the model's MTP module (mtp:K) on one
@@ -254,11 +319,14 @@ class LLM:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
         if self.proposer is not None:
             self.scheduler.set_drafts(self._propose)
+        arrived_done, self._finished_arrivals = [self._finish(seq) for seq in self._finished_arrivals], []
         output = self.scheduler.schedule()
         self.last_output = output
         if self.block_manager.refused_hits:
             self._report_refused_hits()
-        aborted = [] if self.integrity is None else self._enforce_integrity(output)
+        aborted = arrived_done + (self._fill_arrivals(output) if output.arrived else [])
+        if self.integrity is not None:
+            aborted += self._enforce_integrity(output)
         if output.is_empty:
             return aborted
         sampled, violations = self.runner.execute(output)
@@ -271,6 +339,36 @@ class LLM:
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _fill_arrivals(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """Writes the pages of the hand-offs admitted in this step; one whose bytes fail the checksums taken before
+        sending is aborted (`integrity_error`) before the step reads them, the others go on."""
+        aborted = []
+        page_size = self.config.page_size
+        for seq in output.arrived:
+            handoff = self._handoffs.pop(seq.seq_id)
+            corrupt = handoff.corrupt_pages()
+            if corrupt:
+                log.error("integrity violation: request %d: page %d of its hand-off fails the checksum taken before "
+                          "sending", seq.seq_id, corrupt[0])
+                self.handoff_corruptions += 1
+                aborted.append(self._finish(self.scheduler.abort(seq.seq_id, FinishReason.INTEGRITY_ERROR)))
+                continue
+            pages = self.block_manager.block_table(seq.seq_id)[:handoff.num_pages]
+            self.kv_cache.import_pages(pages, handoff.payload)
+            if self.integrity is not None:
+                self.integrity.seal_pages(pages[:seq.num_prompt_tokens // page_size])
+        if aborted:
+            output.drop_finished()
+        return aborted
+
+    def _hand_off(self, seq: Sequence) -> KVHandoff:
+        """Copies a finished prefill's prompt pages out, with their checksums, for its decode replica."""
+        pages = self.block_manager.block_table(seq.seq_id)[:pages_for_tokens(seq.num_prompt_tokens,
+                                                                             self.config.page_size)]
+        return KVHandoff.of_pages(seq.prompt_token_ids, seq.output_token_ids[0], self._handoff_params[seq.seq_id],
+                                  self.kv_layout, self.config.page_size, self.kv_cache.scales_digest(),
+                                  self.kv_cache.export_pages(pages), seq.cache_salt)
 
     def _report_refused_hits(self) -> None:
         """Cache hits refused because the page was not what its hash promised: the request computed that part of
@@ -309,10 +407,17 @@ class LLM:
         self.runner.release(seq.seq_id)
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)
+        self._handoffs.pop(seq.seq_id, None)
+        handoff = None
+        if seq.keeps_pages:
+            if seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                handoff = self._hand_off(seq)
+            self.block_manager.free(seq.seq_id)
+            self._handoff_params.pop(seq.seq_id, None)
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
         reason = (seq.finish_reason or FinishReason.ABORT).value
         return RequestOutput(seq.seq_id, seq.prompt_token_ids, list(seq.output_token_ids), text, reason,
-                             seq.num_preemptions, seq.num_cached_tokens or 0)
+                             seq.num_preemptions, seq.num_cached_tokens or 0, handoff)
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -147,6 +147,13 @@ def kv_bytes_per_page(layout: KVLayout, page_size: int) -> int:
     return page_size * kv_bytes_per_token(layout)
 
 
+def handoff_bytes(layout: KVLayout, num_tokens: int, page_size: int) -> int:
+    """What a disaggregated prefill sends its decode replica for a prompt of `num_tokens`: every page the prompt
+    touched, whole (the last one partly filled), in every layer and pool. The scales stay behind: they are the
+    same static ones on both sides (checked on arrival)."""
+    return pages_for_tokens(num_tokens, page_size) * kv_bytes_per_page(layout, page_size)
+
+
 def kv_pages_for_budget(budget_bytes: int, layout: KVLayout, page_size: int) -> int:
     """The whole pages that fit in a byte budget (a partial page is useless)."""
     if budget_bytes < 0:

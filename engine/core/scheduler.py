@@ -21,6 +21,12 @@ of its longest cached prefix (`BlockManager.cached_prefix`) and computes from it
 its last token is always computed, since that step samples the next one. After each step the pages that filled
 up are published (`update`). A preempted sequence releases its references; its published pages stay cached, so
 its recompute starts from whatever of them is still there.
+
+Disaggregated decoding: a sequence whose prompt another replica computed arrives with its KV and first token
+(`add_computed`); it is admitted, when no waiting prompt is held up, as soon as the pool has pages for its prompt
+and the token it decodes in that very step (`SchedulerOutput.arrived`: the engine fills those pages first). A
+preempted arrival recomputes like any other sequence. A prefill replica's sequences that hand off keep their pages
+when they finish (`Sequence.keeps_pages`) until the engine has copied them out.
 """
 from __future__ import annotations
 
@@ -82,13 +88,14 @@ class SchedulerOutput:
     hold hundreds of them; `chunks`: the rest, as items (prefill chunks, decodes scheduled one at a time).
     `scheduled` is the whole batch as items, decodes first, made when first asked for."""
 
-    __slots__ = ("decodes", "decode_starts", "chunks", "preempted", "_scheduled")
+    __slots__ = ("decodes", "decode_starts", "chunks", "preempted", "arrived", "_scheduled")
 
     def __init__(self) -> None:
         self.decodes: list[Sequence] = []
         self.decode_starts: list[int] = []
         self.chunks: list[ScheduledSequence] = []
         self.preempted: list[Sequence] = []
+        self.arrived: list[Sequence] = []        # handed-off sequences admitted now: their pages to fill first
         self._scheduled: list[ScheduledSequence] | None = None
 
     @property
@@ -123,6 +130,7 @@ class Scheduler:
             raise ValueError("the block manager and the scheduler disagree on prefix caching")
         self.prefix_caching = config.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
+        self.arrivals: deque[Sequence] = deque()    # prompts computed elsewhere, waiting for pages here
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0      # tokens of admitted sequences looked up in the prefix cache
@@ -131,12 +139,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_computed(self, seq: Sequence) -> None:
+        """Queues a sequence whose prompt (`num_computed_tokens` of it) another replica computed and whose first
+        token it sampled: it needs pages for that KV and decodes from there."""
+        if seq.num_uncomputed_tokens != 1:
+            raise ValueError(f"a handed-off sequence arrives with one token to decode, not "
+                             f"{seq.num_uncomputed_tokens}")
+        self.arrivals.append(seq)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.arrivals)
 
     def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
         """Removes a sequence wherever it is and frees its pages; returns it, or None if unknown."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.arrivals):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
@@ -198,7 +214,27 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+        if not (out.preempted or self.waiting):
+            self._admit_arrivals(out, budget)
         return out
+
+    def _admit_arrivals(self, out: SchedulerOutput, budget: int) -> None:
+        """Handed-off sequences in arrival order, each with pages for its computed prompt and the token it decodes
+        in this step, while the budget, `max_num_seqs` and the pool allow."""
+        manager = self.block_manager
+        while self.arrivals and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.arrivals[0]
+            if not manager.can_allocate(seq.num_tokens):
+                break
+            self.arrivals.popleft()
+            manager.allocate(seq.seq_id, seq.num_tokens)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = 0
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.arrived.append(seq)
+            out.chunks.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+            budget -= 1
 
     def decode_prefix(self, budget: int) -> int:
         """How many of the oldest running sequences, at most `budget`, each need exactly one token (decode)."""
@@ -318,5 +354,6 @@ class Scheduler:
             ended = {id(seq) for seq in finished}
             self.running = [seq for seq in self.running if id(seq) not in ended]
             for seq in finished:
-                self.block_manager.free(seq.seq_id)
+                if not seq.keeps_pages:
+                    self.block_manager.free(seq.seq_id)
         return finished

@@ -85,6 +85,7 @@ class Sequence:
         self.page_hashes: list[bytes] = []              # names of its full pages so far (`page_names`)
         self.page_keys: list[bytes] = []
         self.draft_token_ids: list[int] = []            # speculative tokens proposed for the next step
+        self.keeps_pages = False        # a disaggregated prefill's: its pages outlive its end until copied out
 
     def page_names(self, count: int, page_size: int) -> tuple[list[bytes], list[bytes]]:
         """The chained hashes and token keys of its first `count` full pages (`engine.core.prefix_cache`),

@@ -24,6 +24,8 @@ the profiler's tiling) covers them too.
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from engine.core.memory import KVLayout, kv_cache_bytes
@@ -173,6 +175,31 @@ class PagedKVCache:
     def gather_latent_rows(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Cache rows of the given flat token slots ([..., latent_dim + rope_dim] per slot) in `dtype`."""
         return self._latent_rows(layer, self.latents[layer].view(-1, self.latents.shape[-1])[slots], dtype)
+
+    def export_pages(self, pages: list[int]) -> bytes:
+        """The bytes of `pages`, page-major (each page's rows of every layer and pool together), for a hand-off."""
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        parts = [pool[:, index].transpose(0, 1).reshape(len(pages), -1).view(torch.uint8) for pool in self.pools]
+        return torch.cat(parts, dim=1).cpu().numpy().tobytes()
+
+    def import_pages(self, pages: list[int], payload: bytes) -> None:
+        """Writes `export_pages` bytes (of another pool of the same layout) into `pages` of this one."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(len(pages), -1).to(self.device)
+        index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        offset = 0
+        for pool in self.pools:
+            width = pool[:, 0].nbytes
+            rows = data[:, offset:offset + width].contiguous().view(pool.dtype)
+            pool[:, index] = rows.view(len(pages), pool.shape[0], *pool.shape[2:]).transpose(0, 1)
+            offset += width
+
+    def scales_digest(self) -> str:
+        """A digest of the FP8 scales ("" without FP8 pages): a hand-off's pages mean the same only under the
+        same scales."""
+        if not self.is_fp8:
+            return ""
+        data = b"".join(scale.cpu().numpy().tobytes() for scale in self.scales)
+        return hashlib.blake2b(data, digest_size=8).hexdigest()
 
     def tile(self, written: list[int], max_tile_bytes: int = 256 << 20) -> None:
         """Copies the `written` pages over the whole pool, in tiles of at most `max_tile_bytes` per pool: the

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import httpx2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,7 @@ from engine.core.errors import ConfigError, RequestError
 from engine.core.sequence import SamplingParams
 from engine.llm import LLM
 from engine.server.async_engine import AsyncEngine, Draining, QueueFull, RequestStream
+from engine.server.disaggregation import ROLES, PrefillFailed, PrefillRequest, add_prefill_route, pull_handoff
 from engine.server.guards import ApiKeyGuard, BodyLimit
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatRequest, CompletionRequest, ResponseWriter, SamplingFields, error_body
@@ -59,6 +61,7 @@ class ServerConfig:
     metrics_api_key: str | None = None      # required on /metrics when set
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = 30.0   # SIGTERM: how long requests in flight may run on before they are aborted
+    role: str = "single"            # disaggregated serving: "prefill" answers /v1/prefill, "decode" pulls from one
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -72,6 +75,8 @@ class ServerConfig:
             raise ConfigError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}")
         _check_key("the API key", self.api_key)
         _check_key("the metrics API key", self.metrics_api_key)
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
     @property
     def loopback_only(self) -> bool:
@@ -111,7 +116,9 @@ def build_app(llm: LLM, config: ServerConfig, fault_injector: FaultInjector | No
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        yield
+        async with httpx2.AsyncClient() as client:       # a decode replica's link to its prefill replicas
+            app.state.prefill_client = client
+            yield
         await engine.stop()
 
     app = FastAPI(title="kvplan engine", lifespan=lifespan)
@@ -162,13 +169,26 @@ def build_app(llm: LLM, config: ServerConfig, fault_injector: FaultInjector | No
         if client_id is not None and not REQUEST_ID.fullmatch(client_id):
             return refuse(400, f"X-Request-Id {client_id[:40]!r} must be 1-128 letters, digits or ._:-")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id if client_id is not None else next(ids)}"
+        transfer = body.kv_transfer_params
+        if transfer is not None and config.role != "decode":
+            return refuse(400, f"kv_transfer_params: this server's role is {config.role}, not decode "
+                               f"(engine serve --role decode)")
         try:
             token_ids = llm.encode_prompt(prompt)
             if limit is None:           # as much as the context and the pool leave
                 limit = max(1, min(llm.max_model_len, llm.capacity_tokens) - len(token_ids))
             params = SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
                                     top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
-            stream = engine.submit(token_ids, params, body.stop_strings, body.cache_salt, request_id)
+            if transfer is None:
+                stream = engine.submit(token_ids, params, body.stop_strings, body.cache_salt, request_id)
+            else:
+                llm.new_sequence(token_ids, params, body.cache_salt)       # refuse a bad request before its prefill
+                handoff = await pull_handoff(app.state.prefill_client, transfer.prefill_url,
+                                             PrefillRequest.of(token_ids, params, body.cache_salt, request_id),
+                                             request.headers.get("authorization"))
+                stream = engine.submit_handoff(handoff, params, body.stop_strings, request_id)
+        except PrefillFailed as error:
+            return refuse(error.status, str(error), "prefill_error")
         except RequestError as error:
             return refuse(400, str(error))
         except QueueFull as error:
@@ -193,6 +213,9 @@ def build_app(llm: LLM, config: ServerConfig, fault_injector: FaultInjector | No
             return refuse(400, f"model {config.model_name!r} has no chat template; use /v1/completions")
         prompt = tokenizer.apply_chat_template([message.model_dump() for message in body.messages])
         return await respond(request, body, prompt, body.token_limit, chat=True)
+
+    if config.role == "prefill":
+        add_prefill_route(app, engine, refuse, unavailable)
 
     if fault_injector is not None:
         @app.post("/debug/faults")

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TextIO, TypeVar
 
+from engine.core.handoff import KVHandoff
 from engine.core.profile_format import batch_shape, regime_of
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
 from engine.llm import LLM, RequestOutput
@@ -49,6 +50,7 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     error_type: str = "server_error"
+    handoff: KVHandoff | None = None     # a disaggregated prefill's end: the prompt's pages for its decode replica
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,11 @@ class DrainReport:
 class RequestStream:
     """A request in flight, as its handler sees it."""
 
-    def __init__(self, seq: Sequence, text: TextStream, request_id: str) -> None:
+    def __init__(self, seq: Sequence, text: TextStream, request_id: str, handoff: KVHandoff | None = None) -> None:
         self.seq = seq
         self.text = text
         self.request_id = request_id
+        self.handoff = handoff          # an arrival from a prefill replica: its pages, until the engine takes them
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.sent_tokens = 0
         self.last_token_s: float | None = None
@@ -116,15 +119,31 @@ class AsyncEngine:
         return self.llm.tokenizer.decode(token_ids) if self.llm.tokenizer is not None else ""
 
     def submit(self, prompt: str | list[int], params: SamplingParams, stop: tuple[str, ...],
-               cache_salt: str | None = None, request_id: str = "") -> RequestStream:
+               cache_salt: str | None = None, request_id: str = "", hands_off: bool = False) -> RequestStream:
         """Queues a request for the next step; RequestError if it is bad, QueueFull if too many wait, Draining
-        once a shutdown began."""
+        once a shutdown began. One that `hands_off` (a prefill replica's) ends with its pages in its last event."""
+        self._admissible()
+        seq = self.llm.new_sequence(prompt, params, cache_salt, hands_off)
+        return self._queue(RequestStream(seq, TextStream(self.decode, stop), request_id))
+
+    def submit_handoff(self, handoff: KVHandoff, params: SamplingParams, stop: tuple[str, ...],
+                       request_id: str = "") -> RequestStream:
+        """Queues an arrival from a prefill replica (a decode replica's request): its first token is the stream's
+        first event at once, the rest follow as it decodes here."""
+        self._admissible()
+        stream = self._queue(RequestStream(self.llm.new_handoff(handoff, params), TextStream(self.decode, stop),
+                                           request_id, handoff))
+        self._deliver_tokens(stream, None, time.perf_counter())
+        return stream
+
+    def _admissible(self) -> None:
         if self.draining:
             raise Draining("the server is shutting down")
-        if len(self._pending) + len(self.llm.scheduler.waiting) >= self.max_waiting:
+        waiting = len(self._pending) + len(self.llm.scheduler.waiting) + len(self.llm.scheduler.arrivals)
+        if waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting")
-        stream = RequestStream(self.llm.new_sequence(prompt, params, cache_salt), TextStream(self.decode, stop),
-                               request_id)
+
+    def _queue(self, stream: RequestStream) -> RequestStream:
         self._pending.append(stream)
         self._streams[stream.seq.seq_id] = stream
         self.metrics.prompt_tokens.inc(stream.seq.num_prompt_tokens)
@@ -210,7 +229,7 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            new, self._pending = [stream.seq for stream in self._pending], []
+            new, self._pending = [(stream.seq, stream.handoff) for stream in self._pending], []
             aborts, self._aborts = self._aborts, []
             hooks, self._hooks = self._hooks, []
             try:
@@ -223,10 +242,14 @@ class AsyncEngine:
                 continue
             self._deliver(finished)
             self._observe()
-    def _step(self, new: list[Sequence], aborts: list[int], hooks: list[Callable[[LLM], None]]) -> list[RequestOutput]:
+    def _step(self, new: list[tuple[Sequence, KVHandoff | None]], aborts: list[int],
+              hooks: list[Callable[[LLM], None]]) -> list[RequestOutput]:
         """On the step thread: what handlers handed over, then one step."""
-        for seq in new:
-            self.llm.scheduler.add(seq)
+        for seq, handoff in new:
+            if handoff is None:
+                self.llm.scheduler.add(seq)
+            else:
+                self.llm.queue_handoff(seq, handoff)
         for seq_id in aborts:
             self.llm.abort(seq_id)
         for hook in hooks:
@@ -259,30 +282,35 @@ class AsyncEngine:
 
     def _deliver(self, finished: list[RequestOutput]) -> None:
         now = time.perf_counter()
-        reasons = {output.request_id: output.finish_reason for output in finished}
+        ended = {output.request_id: output for output in finished}
         for seq_id, stream in list(self._streams.items()):
-            reason = reasons.get(seq_id)
-            if reason == FinishReason.INTEGRITY_ERROR.value:
+            output = ended.get(seq_id)
+            if output is not None and output.finish_reason == FinishReason.INTEGRITY_ERROR.value:
                 self.metrics.integrity_aborts.inc()
-                self.metrics.finished.labels(reason).inc()
+                self.metrics.finished.labels(output.finish_reason).inc()
                 self._end(stream, Event("", 0, error="a KV-cache integrity check failed: the request was aborted "
                                                     "before it could answer", error_type="integrity_error"))
                 continue
-            token_ids = stream.seq.output_token_ids
-            new = len(token_ids) - stream.sent_tokens
-            if not new and reason is None:
-                continue
-            text = stream.text.update(token_ids, final=reason is not None)
-            new_ids = tuple(token_ids[stream.sent_tokens:])
-            self._observe_tokens(stream, new, now)
-            if stream.text.stopped and reason is None:        # a stop string: the engine need not go on
-                reason = FinishReason.STOP.value
-                self._aborts.append(seq_id)
-            if reason is None:
-                stream.events.put_nowait(Event(text, new, new_ids))
-                continue
-            self.metrics.finished.labels(reason).inc()
-            self._end(stream, Event(text, new, new_ids, reason))
+            self._deliver_tokens(stream, output, now)
+
+    def _deliver_tokens(self, stream: RequestStream, output: RequestOutput | None, now: float) -> None:
+        """The tokens a stream has not sent yet, and its end if `output` (its finished request) is given."""
+        reason = None if output is None else output.finish_reason
+        token_ids = stream.seq.output_token_ids
+        new = len(token_ids) - stream.sent_tokens
+        if not new and reason is None:
+            return
+        text = stream.text.update(token_ids, final=reason is not None)
+        new_ids = tuple(token_ids[stream.sent_tokens:])
+        self._observe_tokens(stream, new, now)
+        if stream.text.stopped and reason is None:        # a stop string: the engine need not go on
+            reason = FinishReason.STOP.value
+            self._aborts.append(stream.seq.seq_id)
+        if reason is None:
+            stream.events.put_nowait(Event(text, new, new_ids))
+            return
+        self.metrics.finished.labels(reason).inc()
+        self._end(stream, Event(text, new, new_ids, reason, handoff=None if output is None else output.handoff))
 
     def _observe_tokens(self, stream: RequestStream, new: int, now: float) -> None:
         if not new:

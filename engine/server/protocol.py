@@ -23,6 +23,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's name for what a disaggregated proxy adds to a request for a decode replica: where its prompt is
+    computed (`engine.server.disaggregation`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefill_url: str = Field(min_length=1)
+
+
 class SamplingFields(BaseModel):
     """What completions and chat share."""
 
@@ -40,6 +48,7 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False      # vLLM's: each choice (and stream chunk) also carries its token ids
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1)     # vLLM's: only requests of one salt share cached pages
+    kv_transfer_params: KVTransferParams | None = None      # a decode replica's request: pull the prompt's KV
 
     @field_validator("stop")
     @classmethod
