@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv", default="fp8", help="bf16|fp8|nvfp4 (Blackwell)")
     plan.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                       help="a system prompt every request opens with: its pages are held once (prefix caching)")
+    _disaggregation_options(plan)
 
     compare = commands.add_parser("compare", help="several weight/KV dtype configurations side by side")
     _deployment_options(compare)
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--router", default="least-loaded", help="round-robin or least-loaded")
     simulate.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
     simulate.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
+    _disaggregation_options(simulate)
 
     search = commands.add_parser("search", help="the cheapest deployments that meet latency SLOs, by simulation")
     search.add_argument("--model", required=True, help="a preset name or a path to a config.json")
@@ -235,6 +237,26 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
+def _disaggregation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--disaggregate", default=None, metavar="xPyD",
+                        help="prefill and decode on separate pools of engine instances of --tp GPUs each "
+                             "(e.g. 1P3D: one prefill instance, three decode instances)")
+    parser.add_argument("--handoff-link", default="auto", choices=("auto", "nvlink", "network"),
+                        help="how KV pages cross between the pools (auto: NVLink within one 8-GPU node, else NICs)")
+    parser.add_argument("--decode-max-num-seqs", type=int, default=None,
+                        help="the decode pool's largest batch (default: --max-num-seqs)")
+
+
+def _disaggregated(args: argparse.Namespace, weights: str, kv: str):
+    from dataclasses import replace
+
+    from planner.deployment.disaggregated import parse_pools, split_pools
+
+    prefill, decode = parse_pools(args.disaggregate)
+    pools = split_pools(_deployment(args, weights, kv), prefill, decode, args.decode_max_num_seqs)
+    return replace(pools, link=args.handoff_link)
+
+
 def _deployment(args: argparse.Namespace, weights: str, kv: str):
     from planner.deployment.capacity import Deployment
     from planner.simulation.speculation import Speculation
@@ -262,6 +284,9 @@ def _gib(value: int) -> str:
 def cmd_plan(args: argparse.Namespace) -> None:
     from planner.deployment.capacity import evaluate
 
+    if args.disaggregate:
+        _plan_disaggregated(args)
+        return
     result = evaluate(_deployment(args, args.weights, args.kv))
     summary = result.summary()
     if args.shared_prefix:
@@ -397,9 +422,25 @@ def _calibrate_benchmarks(args: argparse.Namespace, out: Path) -> None:
     _emit(document, args.json, "\n".join(fit_report_lines(document)))
 
 
+DISAGGREGATED_KEYS = ("handoff_bytes_per_request", "handoff_p50_s", "handoff_max_s", "prefill_kv_utilization_peak")
 SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                  "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "max_concurrency_reached", "preemptions",
                  "kv_utilization_peak", "prefix_cache_hit_rate", "cached_tokens_per_request", "sim_wall_s")
+
+
+def _plan_disaggregated(args: argparse.Namespace) -> None:
+    from planner.deployment.disaggregated import plan_summary
+
+    summary = plan_summary(_disaggregated(args, args.weights, args.kv))
+    if args.json:
+        print(json.dumps(summary))
+        return
+    commands = summary.pop("deploy")
+    print(f"{args.model} on {summary['pools']} x {args.hardware}, weights {args.weights}, KV {args.kv}, "
+          f"context {args.context}\n")
+    print("\n".join(f"  {key:26s} {value}" for key, value in summary.items()))
+    for engine_name, lines in commands.items():
+        print(f"\n{engine_name}:\n" + "\n".join(f"  {line}" for line in lines))
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -412,6 +453,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                         prompt=LengthDistribution.parse(args.prompt_tokens),
                         output=LengthDistribution.parse(args.output_tokens), trace=args.trace, seed=args.seed,
                         shared_prefix_tokens=args.shared_prefix, turns=args.turns)
+    if args.disaggregate:
+        from planner.deployment.disaggregated import simulate_disaggregated
+
+        disaggregated = _disaggregated(args, args.weights, args.kv)
+        report = simulate_disaggregated(disaggregated, workload, progress=not args.json).report(args.slo_ttft,
+                                                                                               args.slo_tpot)
+        payload = {"pools": disaggregated.name, "gpus": disaggregated.gpus,
+                   **{key: report.get(key) for key in SIMULATE_KEYS + DISAGGREGATED_KEYS}}
+        if args.slo_ttft is not None or args.slo_tpot is not None:
+            payload["goodput_requests_per_s"] = report["goodput_requests_per_s"]
+        bars = figure_uncertainty(deployment_uncertainty(disaggregated.decode), payload)
+        payload["uncertainty_pct"] = bars or None
+        _print_report(payload, args.json, bars)
+        return
     deployment = _deployment(args, args.weights, args.kv)
     result = simulate(deployment, workload, args.router, progress=not args.json)
     report = result.report(args.slo_ttft, args.slo_tpot)
@@ -422,11 +477,15 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         payload["goodput_requests_per_s"] = report["goodput_requests_per_s"]
     bars = figure_uncertainty(deployment_uncertainty(deployment), payload)
     payload["uncertainty_pct"] = bars or None
-    if args.json:
+    _print_report(payload, args.json, bars)
+
+
+def _print_report(payload: dict, as_json: bool, bars: dict | None) -> None:
+    if as_json:
         print(json.dumps(payload))
         return
-    print("\n".join([f"{key:26s} {value:.4g}{_pm(bars, key)}" if isinstance(value, float) else f"{key:26s} {value}"
-                     for key, value in payload.items() if key != "uncertainty_pct"]
+    print("\n".join([f"{key:26s} {value:.4g}{_pm(bars or {}, key)}" if isinstance(value, float)
+                     else f"{key:26s} {value}" for key, value in payload.items() if key != "uncertainty_pct"]
                     + ([] if bars else ["(uncalibrated defaults: these figures carry no error bar)"])))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from contextlib import ExitStack
 
@@ -222,3 +223,98 @@ def test_disconnects_leave_no_page_held(english_prompts, served_pair):
     refused = httpx2.post(f"{served_pair['urls']['prefill']}/v1/completions", timeout=30,
                           json={"model": "smollm2-135m", "prompt": [1, 2], "kv_transfer_params": {"prefill_url": proxy}})
     assert refused.status_code == 400 and "role is prefill, not decode" in refused.json()["error"]["message"]
+
+
+# The planner's side: the same scheduler in both pools, the link between them.
+
+def _pools(page_size: int = 16, decode_pages: int = 400):
+    from engine.core.config import SchedulerConfig
+
+    def config(pages: int) -> SchedulerConfig:
+        return SchedulerConfig(num_pages=pages, page_size=page_size, max_num_seqs=64, max_num_batched_tokens=2048,
+                               max_model_len=8192)
+    return config(400), config(decode_pages)
+
+
+def _step(output) -> float:
+    return 0.01 + 1e-4 * output.num_batched_tokens
+
+
+def _workload(requests: int = 120, prompt: str = "1000", output: str = "50"):
+    from planner.simulation.workload import LengthDistribution, Workload
+
+    return Workload(arrival="poisson", num_requests=requests, rate=4.0, prompt=LengthDistribution.parse(prompt),
+                    output=LengthDistribution.parse(output), seed=3)
+
+
+def test_simulated_handoffs_move_the_engines_bytes_and_delay_the_first_token():
+    from planner.simulation.disaggregated import DisaggregatedSimulation, HandoffLink
+
+    layout = KVLayout(30, "bf16", num_kv_heads=3, head_dim=64)        # SmolLM2's cache
+
+    def run(bytes_per_s: float):
+        prefill, decode = _pools()
+        simulation = DisaggregatedSimulation(prefill, _step, 1, decode, _step, 2,
+                                             HandoffLink(lambda n: handoff_bytes(layout, n, 16), bytes_per_s))
+        return simulation, simulation.run(_workload())
+
+    fast, fast_result = run(1e12)
+    slow, slow_result = run(1e8)            # 1000 tokens x 46 KB = 46 MB: 0.46 s each, one at a time
+    requests = _workload().requests()
+    assert fast.stats.transfers == slow.stats.transfers == len(requests)
+    assert fast.stats.bytes == sum(handoff_bytes(layout, r.prompt_tokens, 16) for r in requests)
+    assert all(t.output_tokens == r.output_tokens for t, r in zip(sorted(slow_result.timings, key=lambda t: t.request_id),
+                                                                  sorted(requests, key=lambda r: r.request_id)))
+    one_transfer = handoff_bytes(layout, 1000, 16) / 1e8
+    gained = slow_result.report()["ttft_p50_s"] - fast_result.report()["ttft_p50_s"]
+    assert gained >= one_transfer and max(slow.stats.seconds) > 1.5 * one_transfer       # queued behind others
+    assert slow_result.report()["tpot_p50_s"] == pytest.approx(fast_result.report()["tpot_p50_s"], rel=0.2)
+
+
+def test_simulated_decode_pool_admits_by_free_pages():
+    from planner.simulation.disaggregated import DisaggregatedSimulation, HandoffLink
+
+    prefill, decode = _pools(decode_pages=200)      # 3,200 slots: three 1,050-token requests at a time
+    simulation = DisaggregatedSimulation(prefill, _step, 1, decode, _step, 1, HandoffLink(lambda n: n, 1e12))
+    result = simulation.run(_workload(requests=40, output="200"))
+    assert len(result.timings) == 40 and all(t.output_tokens == 200 for t in result.timings)
+    assert result.peak_running <= 3 and result.kv_utilization_peak <= 1.0
+    with pytest.raises(Exception, match="pages differ"):
+        DisaggregatedSimulation(_pools(page_size=8)[0], _step, 1, decode, _step, 1, HandoffLink(lambda n: n, 1e9))
+
+
+def test_planned_pools_and_their_deploy_commands():
+    from planner.deployment.capacity import Deployment
+    from planner.deployment.disaggregated import parse_pools, plan_summary, split_pools
+    from planner.errors import PlannerError
+
+    base = Deployment(model="deepseek-v3", hardware="h200", gpus=8, weights="fp8", kv_dtype="fp8")
+    pools = split_pools(base, *parse_pools("1P3D"))
+    summary = plan_summary(pools)
+    assert (summary["pools"], summary["gpus"], summary["link"], summary["link_gb_s"]) == ("1P3D", 32, "network", 400)
+    assert summary["handoff_bytes_per_token"] == 61 * 576            # one FP8 copy of the MLA latent and rope key
+    assert summary["handoff_s_at_context"] == pytest.approx(8192 * 61 * 576 / 400e9, rel=1e-3)
+    sglang, vllm = summary["deploy"]["sglang"], summary["deploy"]["vllm"]
+    assert sum("--disaggregation-mode decode" in line for line in sglang) == 3
+    assert "--pd-disaggregation" in sglang[-1] and sglang[-1].count("--decode") == 3
+    assert sum('"kv_role":"kv_producer"' in line for line in vllm) == 1
+    with pytest.raises(PlannerError, match="bad pools '2X'"):
+        parse_pools("2X")
+    with pytest.raises(PlannerError, match="differ in kv_dtype"):
+        type(pools)(pools.prefill, Deployment(**{**pools.decode.__dict__, "kv_dtype": "bf16"}))
+
+
+def test_planner_cli_simulates_disaggregated_pools():
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "planner.cli", "simulate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm",
+               "--gpus", "1", "--disaggregate", "1P2D", "--requests", "60", "--rate", "5", "--prompt-tokens", "3000",
+               "--output-tokens", "100", "--json"]      # FP8 KV: 32 layers x K,V x 8 heads x 128 bytes a token
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["pools"] == "1P2D" and report["gpus"] == 3 and report["completed"] == 60
+    assert report["handoff_bytes_per_request"] == 3008 * 32 * 2 * 8 * 128 and report["ttft_p50_s"] > report["handoff_p50_s"] > 0
+    bad = subprocess.run([("0P2D" if part == "1P2D" else part) for part in command], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "0P2D" in bad.stderr

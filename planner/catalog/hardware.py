@@ -26,6 +26,7 @@ class HardwareSpec:
     fp8_flops_per_s: float | None   # None where the device has no FP8 tensor cores
     fp4_flops_per_s: float | None   # None where it has no FP4 tensor cores: NVFP4 is Blackwell's
     link_bytes_per_s: float         # what one GPU sends per second to the others (one direction)
+    network_bytes_per_s: float      # what one GPU sends per second to another node (its NIC, one direction)
     gpu_hour_usd: float
     calibrated: bool = False        # True for `cpu`: only meaningful with a calibration's measured peaks
     allreduce_latency_s: float = 0.0            # one small all-reduce, inside a CUDA graph
@@ -34,7 +35,8 @@ class HardwareSpec:
     cuda_graphs: bool = False                   # serving engines capture decode steps in CUDA graphs here
 
     def __post_init__(self) -> None:
-        for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "link_bytes_per_s"):
+        for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "link_bytes_per_s",
+                     "network_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise PlannerError(f"hardware {self.key!r}: {name} must be positive, got {getattr(self, name)!r}")
         for name in ("gpu_hour_usd", "allreduce_latency_s", "allreduce_latency_eager_s", "kernel_launch_s"):
@@ -82,7 +84,8 @@ def catalogue() -> dict[str, HardwareSpec]:
             key=key, name=entry["name"], memory_bytes=entry["memory_mib"] * MIB,
             bandwidth_bytes_per_s=entry["bandwidth_gb_s"] * 1e9, bf16_flops_per_s=entry["bf16_tflops"] * 1e12,
             fp8_flops_per_s=None if fp8 is None else fp8 * 1e12, fp4_flops_per_s=None if fp4 is None else fp4 * 1e12,
-            link_bytes_per_s=entry["link_gb_s_per_direction"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
+            link_bytes_per_s=entry["link_gb_s_per_direction"] * 1e9,
+            network_bytes_per_s=entry["network_gb_s_per_gpu"] * 1e9, gpu_hour_usd=entry["gpu_hour_usd"],
             calibrated=entry.get("calibrated", False),
             allreduce_latency_s=entry["allreduce_latency_us"]["cuda_graphs"] * 1e-6,
             allreduce_latency_eager_s=entry["allreduce_latency_us"]["eager"] * 1e-6,

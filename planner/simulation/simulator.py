@@ -180,6 +180,14 @@ class Replica:
 
     def submit(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
+        self._wake()
+
+    def receive(self, seq: Sequence) -> None:
+        """A request whose prompt a prefill replica computed and handed over (disaggregated serving)."""
+        self.scheduler.add_computed(seq)
+        self._wake()
+
+    def _wake(self) -> None:
         self.unfinished += 1
         if not self.wakeup.triggered:
             self.wakeup.succeed()
@@ -259,7 +267,7 @@ class Replica:
         scheduler = self.scheduler
         manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
         count = len(running)
-        if (self.steps < self._no_window_until or not count
+        if (self.steps < self._no_window_until or not count or scheduler.arrivals
                 or scheduler.admissible(config.max_num_batched_tokens - count) is not None
                 or running[-1].num_uncomputed_tokens != 1       # the newest, the likeliest to be in prefill
                 or not all(seq.output_token_ids for seq in running)     # one prompt token left is no decode yet
@@ -284,7 +292,8 @@ class Replica:
         contexts = sorted(seq.num_computed_tokens for seq in running)   # a decode's context in step j: c + j
         prefix = list(itertools.accumulate(contexts, initial=0))
         total, longest, topk = prefix[-1], contexts[-1], self.step_time.index_topk
-        env, sim, waiting, used = self.env, self.sim, len(scheduler.waiting), manager.num_used_pages
+        env, sim, used = self.env, self.sim, manager.num_used_pages
+        waiting = len(scheduler.waiting) + len(scheduler.arrivals)
         steps = 0
         while steps < window:
             steps += 1
@@ -295,7 +304,7 @@ class Replica:
             self.steps += 1
             yield env.timeout(duration)
             sim.note_step(self.index, start, duration, None, used, count)
-            if len(scheduler.waiting) != waiting:
+            if len(scheduler.waiting) + len(scheduler.arrivals) != waiting:
                 break
         scheduler.advance_decodes(steps)
         sim.note_pages(manager.num_used_pages)
