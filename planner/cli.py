@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --speculative: per-position acceptance (mtp default: 0.875)")
     search.add_argument("--seed", type=int, default=0)
     search.add_argument("--hardware", default="h100-sxm,h200,b200", help="comma-separated GPU kinds")
-    search.add_argument("--max-gpus", type=int, default=8, help="largest tensor-parallel group (powers of two)")
+    search.add_argument("--max-gpus", type=int, default=8,
+                        help="largest tensor-parallel group (powers of two), and the most GPUs a disaggregated pair "
+                             "of pools may take")
+    search.add_argument("--disaggregate", default=None, metavar="auto|xPyD[,xPyD...]",
+                        help="also try every candidate as prefill and decode pools of its engine instance "
+                             "(auto: 1P1D,1P2D,1P3D,2P1D)")
     search.add_argument("--weights", default=None, help="comma-separated (default bf16,fp8,int4,nvfp4 on Blackwell)")
     search.add_argument("--kv", default=None, help="comma-separated KV dtypes (default bf16,fp8)")
     search.add_argument("--max-num-seqs", default="64,256", help="comma-separated decode batch limits")
@@ -429,9 +434,11 @@ SIMULATE_KEYS = ("completed", "throughput_tokens_per_s", "output_tokens_per_s", 
 
 
 def _plan_disaggregated(args: argparse.Namespace) -> None:
+    from planner.deployment.commands import pool_commands
     from planner.deployment.disaggregated import plan_summary
 
-    summary = plan_summary(_disaggregated(args, args.weights, args.kv))
+    deployment = _disaggregated(args, args.weights, args.kv)
+    summary = plan_summary(deployment) | {"deploy": pool_commands(deployment)}
     if args.json:
         print(json.dumps(summary))
         return
@@ -510,6 +517,7 @@ def cmd_search(args: argparse.Namespace) -> None:
         run_search,
     )
     from planner.search.executors import DEFAULT_CACHE, ResultCache
+    from planner.search.pools import parse_ratios
     from planner.simulation.speculation import Speculation
     from planner.simulation.workload import LengthDistribution
 
@@ -522,7 +530,8 @@ def cmd_search(args: argparse.Namespace) -> None:
                         _csv(args.weights) if args.weights else DEFAULT_WEIGHTS,
                         _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
                         explicit_formats=bool(args.weights or args.kv),
-                        speculation=Speculation.parse(args.speculative, args.acceptance) if args.speculative else None)
+                        speculation=Speculation.parse(args.speculative, args.acceptance) if args.speculative else None,
+                        pool_ratios=parse_ratios(args.disaggregate) if args.disaggregate else ())
     cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
     workload = replace(preset_workload(args.workload, args.requests, args.seed,
                                        LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
@@ -555,7 +564,8 @@ def cmd_search(args: argparse.Namespace) -> None:
                      f"{user:>10s} {row['ttft_p99_s']:9.3f} {tpot:>9s} {row['usd_per_hour']:8.2f} "
                      f"{row['usd_per_million_tokens']:9.4f}")
     for item in deploy:
-        lines += ["", f"deploy {item['configuration']}:", f"  {item['vllm']}", f"  {item['sglang']}"]
+        lines += ["", f"deploy {item['configuration']}:"]
+        lines += [f"  {line}" for engine_name in ("vllm", "sglang") for line in item[engine_name].splitlines()]
     if args.target_rate is not None:
         lines += ["", f"{args.target_rate:g} requests/s: " + (
             f"{fleet['replicas']} x [{fleet['configuration']}], {fleet['gpus']} GPUs, {fleet['usd_per_hour']} USD/h"
@@ -568,6 +578,13 @@ def cmd_search(args: argparse.Namespace) -> None:
                      + (f"stops paying at a batch of {verdict['stops_paying_at_batch']}"
                         if verdict["stops_paying_at_batch"] else "pays at every batch up to its max_num_seqs")
                      + f" (single stream x{verdict['single_stream_speedup']})" if "configuration" in verdict else "")]
+    pools = payload.get("disaggregation")
+    if pools:
+        lines += ["", "disaggregated prefill/decode: " + (
+            f"{pools['winner']} wins" if pools["winner"] else "nothing meets the SLOs")]
+        lines += [f"  best {kind}: " + (f"{best['configuration']}, {best['usd_per_million_tokens']} USD/Mtok, "
+                                        f"{best['tokens_per_s_per_gpu']} tok/s/GPU" if best else "none meets the SLOs")
+                  for kind, best in ((k, pools[k]) for k in ("aggregated", "disaggregated"))]
     print("\n".join(lines))
 
 

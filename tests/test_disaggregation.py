@@ -285,6 +285,7 @@ def test_simulated_decode_pool_admits_by_free_pages():
 
 def test_planned_pools_and_their_deploy_commands():
     from planner.deployment.capacity import Deployment
+    from planner.deployment.commands import pool_commands
     from planner.deployment.disaggregated import parse_pools, plan_summary, split_pools
     from planner.errors import PlannerError
 
@@ -294,10 +295,12 @@ def test_planned_pools_and_their_deploy_commands():
     assert (summary["pools"], summary["gpus"], summary["link"], summary["link_gb_s"]) == ("1P3D", 32, "network", 400)
     assert summary["handoff_bytes_per_token"] == 61 * 576            # one FP8 copy of the MLA latent and rope key
     assert summary["handoff_s_at_context"] == pytest.approx(8192 * 61 * 576 / 400e9, rel=1e-3)
-    sglang, vllm = summary["deploy"]["sglang"], summary["deploy"]["vllm"]
+    commands = pool_commands(pools)
+    sglang, vllm = commands["sglang"], commands["vllm"]
     assert sum("--disaggregation-mode decode" in line for line in sglang) == 3
     assert "--pd-disaggregation" in sglang[-1] and sglang[-1].count("--decode") == 3
     assert sum('"kv_role":"kv_producer"' in line for line in vllm) == 1
+    assert all("--quantization fp8" in line and "--kv-cache-dtype fp8" in line for line in vllm[:4])
     with pytest.raises(PlannerError, match="bad pools '2X'"):
         parse_pools("2X")
     with pytest.raises(PlannerError, match="differ in kv_dtype"):
@@ -318,3 +321,20 @@ def test_planner_cli_simulates_disaggregated_pools():
     assert report["handoff_bytes_per_request"] == 3008 * 32 * 2 * 8 * 128 and report["ttft_p50_s"] > report["handoff_p50_s"] > 0
     bad = subprocess.run([("0P2D" if part == "1P2D" else part) for part in command], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "0P2D" in bad.stderr
+
+
+def test_search_weighs_disaggregated_pools_against_aggregated_ones():
+    from planner.search.deployments import SearchSpace, Slo, preset_workload, run_search
+
+    space = SearchSpace("llama-3.1-8b", ("h100-sxm",), 2, ("fp8",), ("fp8",), (256,), (2048,),
+                        pool_ratios=((1, 1),))
+    result = run_search(space, preset_workload("rag", 60, seed=1), Slo.parse("ttft_p99_s=3,tpot_p99_s=0.05"),
+                        executor="serial")
+    summary = result.summary(top=10)
+    kinds = {row["pools"] for row in summary["ranked"]}
+    assert kinds == {None, "1P1D"}                       # 1 and 2 GPUs aggregated, one 1P1D pair of 1-GPU instances
+    verdict = summary["disaggregation"]
+    assert verdict["winner"] in ("aggregated", "disaggregated")
+    assert verdict["aggregated"]["usd_per_million_tokens"] > 0 and verdict["disaggregated"]["max_rate_rps"] > 0
+    pools_deploy = next(item for item in summary["deploy"] if item["configuration"].startswith("1P1D"))
+    assert pools_deploy["sglang"].count("--disaggregation-mode") == 2 and "kv_consumer" in pools_deploy["vllm"]

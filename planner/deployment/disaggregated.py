@@ -8,7 +8,6 @@ and over the GPUs' NICs otherwise, each GPU of a replica sending its own share.
 """
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,19 @@ class DisaggregatedDeployment:
     @property
     def gpus(self) -> int:
         return self.prefill.gpus + self.decode.gpus
+
+    # what both pools share, or what a search reports of the pair: the decode pool's batch, the prefill pool's chunks
+    model = property(lambda self: self.decode.model)
+    hardware = property(lambda self: self.decode.hardware)
+    gpu_hour_usd = property(lambda self: self.decode.gpu_hour_usd)
+    weights = property(lambda self: self.decode.weights)
+    kv_dtype = property(lambda self: self.decode.kv_dtype)
+    context = property(lambda self: self.decode.context)
+    expert_parallel = property(lambda self: self.decode.expert_parallel)
+    prefix_caching = property(lambda self: self.prefill.prefix_caching)
+    max_num_seqs = property(lambda self: self.decode.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.prefill.max_num_batched_tokens)
+    speculation = None
 
     @property
     def resolved_link(self) -> str:
@@ -147,52 +159,10 @@ def parse_pools(text: str) -> tuple[int, int]:
     return prefill, decode
 
 
-def deploy_commands(deployment: DisaggregatedDeployment, model_path: str = "MODEL") -> dict[str, list[str]]:
-    """How to run the plan with SGLang's and vLLM's disaggregated modes: one command per replica and the router
-    or proxy in front (hosts and ports are placeholders; one replica per node where it needs a node)."""
-    backend = "mooncake" if deployment.resolved_link == "network" else "nixl"
-
-    def sglang(role: str, pool: Deployment, index: int) -> str:
-        parallel = pool.parallel
-        flags = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--disaggregation-mode", role,
-                 "--disaggregation-transfer-backend", backend, "--tp", str(parallel.tp),
-                 "--kv-cache-dtype", "fp8_e4m3" if pool.kv_dtype == "fp8" else "auto",
-                 "--max-running-requests", str(pool.max_num_seqs), "--port", str(30000 + index)]
-        if parallel.attention_data_parallel:
-            flags += ["--enable-dp-attention", "--dp", str(parallel.tp)]
-        if parallel.expert_parallel:
-            flags += ["--ep-size", str(parallel.tp)]
-        return shlex.join(flags)
-
-    def vllm(role: str, pool: Deployment, index: int) -> str:
-        transfer = '{"kv_connector":"NixlConnector","kv_role":"%s"}' % ("kv_producer" if role == "prefill"
-                                                                        else "kv_consumer")
-        flags = ["vllm", "serve", model_path, "--tensor-parallel-size", str(pool.parallel.tp),
-                 "--kv-cache-dtype", "fp8" if pool.kv_dtype == "fp8" else "auto",
-                 "--max-num-seqs", str(pool.max_num_seqs), "--port", str(8100 + index),
-                 "--kv-transfer-config", transfer]
-        if pool.parallel.expert_parallel:
-            flags.append("--enable-expert-parallel")
-        return shlex.join(flags)
-
-    prefill, decode = deployment.prefill, deployment.decode
-    pools = [("prefill", prefill, index) for index in range(prefill.parallel.dp)]
-    pools += [("decode", decode, prefill.parallel.dp + index) for index in range(decode.parallel.dp)]
-    router = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    for role, _, index in pools:
-        router += [f"--{role}", f"http://HOST{index}:{30000 + index}"]
-    return {
-        "sglang": [sglang(role, pool, index) for role, pool, index in pools] + [shlex.join(router)],
-        "vllm": [vllm(role, pool, index) for role, pool, index in pools]
-        + ["# a proxy in front: vLLM's examples/online_serving/disaggregated_serving (toy_proxy_server.py) "
-           "sends each request to a producer with max_tokens 1, then to a consumer"],
-    }
-
-
 def plan_summary(deployment: DisaggregatedDeployment) -> dict[str, Any]:
     """What `planner plan --disaggregate` reports: the pools, the hand-off at full context, each pool's own
     capacity and rate (prefill tokens/s from the prefill pool, decode tokens/s and concurrency from the decode pool),
-    the cost of all GPUs per decoded token, and the commands that deploy it."""
+    the cost of all GPUs per decoded token (`planner.deployment.commands.pool_commands` deploys it)."""
     prefill, decode = evaluate(deployment.prefill), evaluate(deployment.decode)
     if not (prefill.fits and decode.fits):
         pool = "prefill" if not prefill.fits else "decode"
@@ -211,5 +181,4 @@ def plan_summary(deployment: DisaggregatedDeployment) -> dict[str, Any]:
         "decode_tokens_per_s": decode_rate, "max_concurrency": decode.summary()["max_concurrency"],
         "max_context_tokens": min(prefill.summary()["max_context_tokens"], decode.summary()["max_context_tokens"]),
         "cost_per_million_tokens": round(usd_per_s / decode_rate * 1e6, 4) if decode_rate else None,
-        "deploy": deploy_commands(deployment),
     }

@@ -25,18 +25,20 @@ from typing import Any
 
 from engine.core.metrics import RequestTiming
 from planner.catalog.hardware import get_hardware
-from planner.catalog.models import get_model, repository
+from planner.catalog.models import get_model
 from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import HOURS, Deployment, deployment_uncertainty, evaluate, figure_uncertainty
+from planner.deployment.commands import deploy_commands
+from planner.deployment.disaggregated import DisaggregatedDeployment, disaggregated_setup
 from planner.deployment.simulate import simulation_setup
 from planner.deployment.speculative_plan import speculative_gain
 from planner.errors import PlannerError
 from planner.search.executors import ResultCache, run_tasks
+from planner.search.pools import analyse_pools, pool_candidates, pools_label
+from planner.search.slo import Slo
 from planner.simulation.speculation import Speculation
 from planner.simulation.workload import LengthDistribution, RequestSpec, Workload
 
-SLO_METRICS = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "e2e_p50_s",
-               "e2e_p90_s")
 DEFAULT_WEIGHTS = ("bf16", "fp8", "int4", "nvfp4")
 DEFAULT_KV = ("bf16", "fp8")
 DEFAULT_MAX_SEQS = (64, 256)
@@ -67,48 +69,6 @@ def preset_workload(name: str, requests: int, seed: int = 0, prompt: LengthDistr
 
 
 @dataclass(frozen=True)
-class Slo:
-    """Latency limits in seconds by report metric, e.g. ttft_p99_s=2, tpot_p99_s=0.05."""
-
-    limits: tuple[tuple[str, float], ...]
-
-    def __post_init__(self) -> None:
-        if not self.limits:
-            raise PlannerError(f"give at least one SLO (metrics: {', '.join(SLO_METRICS)})")
-        for metric, limit in self.limits:
-            if metric not in SLO_METRICS:
-                raise PlannerError(f"unknown SLO metric {metric!r} (choose from {', '.join(SLO_METRICS)})")
-            if not (isinstance(limit, (int, float)) and limit > 0 and math.isfinite(limit)):
-                raise PlannerError(f"the SLO {metric} must be a positive number of seconds, got {limit!r}")
-
-    @classmethod
-    def parse(cls, text: str) -> Slo:
-        """`ttft_p99_s=2,tpot_p99_s=0.05`."""
-        limits = []
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            metric, equals, value = item.partition("=")
-            try:
-                limits.append((metric.strip(), float(value)))
-            except ValueError:
-                raise PlannerError(f"bad SLO {item!r}: use METRIC=SECONDS, e.g. ttft_p99_s=2") from None
-            if not equals:
-                raise PlannerError(f"bad SLO {item!r}: use METRIC=SECONDS, e.g. ttft_p99_s=2")
-        return cls(tuple(limits))
-
-    def met(self, report: dict[str, Any]) -> bool:
-        """Every limit holds; a TPOT of requests with one output token (None) meets any."""
-        return all(report.get(metric) is None and metric.startswith("tpot") or
-                   report.get(metric) is not None and report[metric] <= limit for metric, limit in self.limits)
-
-    def tightest(self, prefix: str) -> float | None:
-        """The smallest limit on a metric family ("ttft", "tpot", "e2e"); None when none is set."""
-        return min((limit for metric, limit in self.limits if metric.startswith(prefix)), default=None)
-
-    def text(self) -> str:
-        return ",".join(f"{metric}={limit:g}" for metric, limit in self.limits)
-
-
-@dataclass(frozen=True)
 class SearchSpace:
     model: str
     hardware: tuple[str, ...] = ("h100-sxm", "h200", "b200")
@@ -120,6 +80,7 @@ class SearchSpace:
     explicit_formats: bool = False      # the user named the formats: NVFP4 off Blackwell is then an error
     prefix_caching: tuple[bool, ...] | None = None     # None: with and without where prompts share prefixes
     speculation: Speculation | None = None      # tried beside plain decoding on every candidate
+    pool_ratios: tuple[tuple[int, int], ...] = ()   # disaggregated xPyD pools tried beside every candidate
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_gpus, int) or self.max_gpus <= 0:
@@ -167,12 +128,14 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
     if space.speculation is not None:
         found = [drafted for deployment in found for drafted in (deployment, replace(deployment,
                                                                                        speculation=space.speculation))]
-    return found
+    return found + pool_candidates(found, space.pool_ratios, space.max_gpus)
 
 
 def analyse(deployment: Deployment, workload: Workload, slo: Slo) -> tuple[str | None, float]:
     """What the step model says before any simulation: why the candidate cannot work (None if it may), and the
     rate its search starts from (what it sustains with every step as the step model prices it)."""
+    if isinstance(deployment, DisaggregatedDeployment):
+        return analyse_pools(deployment, workload, slo)
     try:
         capacity = evaluate(deployment)
     except PlannerError as error:
@@ -228,7 +191,8 @@ def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: flo
     the rate found is within (step - 1) / 2**bisections of the answer, relatively (6% by default: as fine as a
     plan needs; 5 simulations where the estimate is within `step`). A rate is dropped as soon as its simulation
     has settled a miss (`settled_miss`): overloaded runs, the longest, stop early."""
-    setup = simulation_setup(deployment)       # once: only the rate changes
+    setup = (disaggregated_setup(deployment) if isinstance(deployment, DisaggregatedDeployment)
+             else simulation_setup(deployment))       # once: only the rate changes
 
     def passes(rate: float) -> dict[str, Any] | None:
         at_rate = replace(workload, arrival="poisson", rate=rate)
@@ -333,13 +297,17 @@ class Ranked:
 
     def name(self) -> str:
         d = self.deployment
+        if isinstance(d, DisaggregatedDeployment):
+            return pools_label(d)
         return (f"{d.gpus}x{d.hardware} tp{d.gpus}{' ep' if d.expert_parallel else ''} {d.weights}/kv {d.kv_dtype} "
                 f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}{'' if d.prefix_caching else ' no-cache'}"
                 + (f" {d.speculation.method}:{d.speculation.num_draft_tokens}" if d.speculation else ""))
 
     def row(self) -> dict[str, Any]:
         d = self.deployment
-        return {"configuration": self.name(), "hardware": d.hardware, "gpus": d.gpus, "tensor_parallel": d.gpus,
+        pools = d.name if isinstance(d, DisaggregatedDeployment) else None
+        return {"configuration": self.name(), "hardware": d.hardware, "gpus": d.gpus, "pools": pools,
+                "tensor_parallel": d.prefill.parallel.tp if pools else d.gpus,
                 "expert_parallel": d.expert_parallel, "weights": d.weights, "kv_dtype": d.kv_dtype,
                 "max_num_seqs": d.max_num_seqs, "max_num_batched_tokens": d.max_num_batched_tokens,
                 "prefix_caching": d.prefix_caching, "prefix_cache_hit_rate": self.report.get("prefix_cache_hit_rate"),
@@ -386,7 +354,7 @@ class SearchResult:
         return {"enumerated": self.enumerated, "pruned": len(self.pruned), "simulated": self.simulated,
                 "cached": self.cached, "met_slo": len(rows), "ranked": rows, "pareto": [r.row() for r in self.pareto()],
                 "deploy": [{"configuration": r.name(), **deploy_commands(r.deployment)} for r in self.ranked[:top]],
-                "speculative": self.speculative_verdict(),
+                "speculative": self.speculative_verdict(), "disaggregation": self.disaggregation_verdict(),
                 "note": None if rows else f"nothing meets these SLOs; the closest: {self.closest()}"}
 
     def speculative_verdict(self) -> dict[str, Any] | None:
@@ -400,6 +368,21 @@ class SearchResult:
             gain = speculative_gain(evaluate(drafting.deployment), self.space.speculation)
             verdict |= {"configuration": drafting.name(), "stops_paying_at_batch": gain.stops_paying_at,
                         "single_stream_speedup": gain.summary()["single_stream_speedup"]}
+        return verdict
+
+    def disaggregation_verdict(self) -> dict[str, Any] | None:
+        """With pool ratios in the space: the cheapest aggregated and disaggregated configurations and which wins
+        (USD per million output tokens at the largest rate meeting the SLOs)."""
+        if not self.space.pool_ratios:
+            return None
+        best = {kind: next((r for r in self.ranked if isinstance(r.deployment, DisaggregatedDeployment) == pools),
+                           None) for kind, pools in (("aggregated", False), ("disaggregated", True))}
+        verdict: dict[str, Any] = {kind: None if r is None else {
+            "configuration": r.name(), "usd_per_million_tokens": round(r.usd_per_million_tokens, 4),
+            "tokens_per_s_per_gpu": round(r.tokens_per_s_per_gpu, 2), "max_rate_rps": round(r.rate, 4)}
+            for kind, r in best.items()}
+        verdict["winner"] = None if not self.ranked else (
+            "disaggregated" if isinstance(self.ranked[0].deployment, DisaggregatedDeployment) else "aggregated")
         return verdict
 
     def closest(self) -> str:
@@ -418,7 +401,8 @@ def rank(tasks: list[Task], results: list[dict[str, Any]]) -> tuple[list[Ranked]
                 missed.append(deployment)
                 continue
             price = get_hardware(deployment.hardware).with_price(deployment.gpu_hour_usd).gpu_hour_usd
-            ranked.append(Ranked(deployment, found["rate"], found["report"], price, deployment_uncertainty(deployment)))
+            barred = deployment.decode if isinstance(deployment, DisaggregatedDeployment) else deployment
+            ranked.append(Ranked(deployment, found["rate"], found["report"], price, deployment_uncertainty(barred)))
     ranked.sort(key=lambda r: (r.usd_per_million_tokens, -r.rate, r.name()))
     return ranked, missed
 
@@ -438,49 +422,6 @@ def cheapest_fleet(ranked: list[Ranked], target_rate: float) -> dict[str, Any] |
     return {"configuration": best.name(), "replicas": replicas, "gpus": replicas * best.deployment.gpus,
             "rate_rps": round(replicas * best.rate, 4), "usd_per_hour": round(replicas * best.usd_per_hour, 2),
             "deploy": deploy_commands(best.deployment)}
-
-
-VLLM_QUANTIZATION = {"fp8": "--quantization fp8", "int4": "--quantization awq",
-                     "nvfp4": "--quantization modelopt_fp4"}
-SGLANG_QUANTIZATION = {"fp8": "--quantization fp8", "int4": "--quantization awq",
-                       "nvfp4": "--quantization modelopt_fp4"}
-SGLANG_KV = {"fp8": "fp8_e4m3", "nvfp4": "fp4_e2m1"}
-
-
-def deploy_commands(deployment: Deployment) -> dict[str, str]:
-    """The same configuration as vLLM and SGLang command lines. INT4 and NVFP4 name a checkpoint quantized so
-    (AWQ, NVIDIA ModelOpt); vLLM has no FP4 KV cache, so its line keeps FP8 there and says so."""
-    d = deployment
-    model = repository(d.model)
-    vllm = [f"vllm serve {model}", f"--tensor-parallel-size {d.gpus}"]
-    sglang = [f"python -m sglang.launch_server --model-path {model}", f"--tp {d.gpus}"]
-    if d.expert_parallel:
-        vllm.append("--enable-expert-parallel")
-        sglang.append(f"--ep-size {d.gpus}")
-    if d.weights in VLLM_QUANTIZATION:
-        vllm.append(VLLM_QUANTIZATION[d.weights])
-        sglang.append(SGLANG_QUANTIZATION[d.weights])
-    if d.kv_dtype in ("fp8", "nvfp4"):
-        vllm.append("--kv-cache-dtype fp8")
-        sglang.append(f"--kv-cache-dtype {SGLANG_KV[d.kv_dtype]}")
-    if not d.prefix_caching:
-        vllm.append("--no-enable-prefix-caching")
-        sglang.append("--disable-radix-cache")
-    if d.speculation is not None:
-        k = d.speculation.num_draft_tokens
-        method = "deepseek_mtp" if d.speculation.method == "mtp" else "ngram"
-        vllm.append(f"--speculative-config '{{\"method\": \"{method}\", \"num_speculative_tokens\": {k}}}'")
-        sglang.append(f"--speculative-algorithm EAGLE --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                      f"--speculative-num-draft-tokens {k + 1}" if d.speculation.method == "mtp" else
-                      f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {k + 1}")
-    vllm += [f"--max-num-seqs {d.max_num_seqs}", f"--max-num-batched-tokens {d.max_num_batched_tokens}",
-             f"--max-model-len {d.context}", f"--gpu-memory-utilization {d.utilization}"]
-    sglang += [f"--max-running-requests {d.max_num_seqs}", f"--chunked-prefill-size {d.max_num_batched_tokens}",
-               f"--context-length {d.context}", f"--mem-fraction-static {d.utilization}"]
-    commands = {"vllm": " ".join(vllm), "sglang": " ".join(sglang)}
-    if d.kv_dtype == "nvfp4":
-        commands["vllm"] += "  # vLLM has no FP4 KV cache; in FP8 it holds 0.56x the tokens"
-    return commands
 
 
 def run_search(space: SearchSpace, workload: Workload, slo: Slo, executor: str = "local", workers: int | None = None,
