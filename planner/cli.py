@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--max-model-len", type=int, default=None, help="--endpoint: if /metrics does not say")
     verify.add_argument("--page-size", type=int, default=None, help="--endpoint: if /metrics does not say")
     verify.add_argument("--capacity-tokens", type=int, default=None, help="--endpoint: if /metrics does not say")
+    verify.add_argument("--disaggregate", action="store_true",
+                        help="--profile: a prefill engine and a decode engine (1P1D) against the simulator's pools")
+    verify.add_argument("--decode-kv-cache-gib", type=float, default=None,
+                        help="--disaggregate: the decode engine's KV pool (default: --kv-cache-gib)")
     verify.add_argument("--out-dir", default=None, help="where to write report.md and figure.html")
     verify.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
@@ -177,6 +181,16 @@ def cmd_verify(args: argparse.Namespace) -> None:
         raise PlannerError("give --profile (the engine here) or --endpoint (a live server), one of them")
     if args.endpoint is not None:
         _verify_endpoint(args, workload)
+        return
+    if args.disaggregate:
+        from planner.verification.disaggregated import verify_disaggregated
+
+        result = verify_disaggregated(args.profile, workload, args.kv_cache_gib or 0.25, args.decode_kv_cache_gib,
+                                      args.max_num_seqs or 256, args.max_num_batched_tokens or 2048)
+        print(json.dumps(result) if args.json else "\n".join(
+            [f"{name:22s} predicted {m['predicted']:.4g}  measured {m['measured']:.4g}  error {m['error_pct']}%"
+             for name, m in result["metrics"].items() if m["predicted"] is not None and m["measured"] is not None]
+            + [f"hand-off bytes exact   {result['handoff_bytes_exact']}"]))
         return
     result = verify(args.profile, workload, args.kv_cache_gib or 0.25, args.max_num_seqs or 256,
                     args.max_num_batched_tokens or 2048, speculative=args.speculative)

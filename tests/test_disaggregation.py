@@ -255,7 +255,7 @@ def test_simulated_handoffs_move_the_engines_bytes_and_delay_the_first_token():
     def run(bytes_per_s: float):
         prefill, decode = _pools()
         simulation = DisaggregatedSimulation(prefill, _step, 1, decode, _step, 2,
-                                             HandoffLink(lambda n: handoff_bytes(layout, n, 16), bytes_per_s))
+                                             HandoffLink(bytes_per_s, bytes_of=lambda n: handoff_bytes(layout, n, 16)))
         return simulation, simulation.run(_workload())
 
     fast, fast_result = run(1e12)
@@ -275,12 +275,12 @@ def test_simulated_decode_pool_admits_by_free_pages():
     from planner.simulation.disaggregated import DisaggregatedSimulation, HandoffLink
 
     prefill, decode = _pools(decode_pages=200)      # 3,200 slots: three 1,050-token requests at a time
-    simulation = DisaggregatedSimulation(prefill, _step, 1, decode, _step, 1, HandoffLink(lambda n: n, 1e12))
+    simulation = DisaggregatedSimulation(prefill, _step, 1, decode, _step, 1, HandoffLink(1e12, bytes_of=lambda n: n))
     result = simulation.run(_workload(requests=40, output="200"))
     assert len(result.timings) == 40 and all(t.output_tokens == 200 for t in result.timings)
     assert result.peak_running <= 3 and result.kv_utilization_peak <= 1.0
     with pytest.raises(Exception, match="pages differ"):
-        DisaggregatedSimulation(_pools(page_size=8)[0], _step, 1, decode, _step, 1, HandoffLink(lambda n: n, 1e9))
+        DisaggregatedSimulation(_pools(page_size=8)[0], _step, 1, decode, _step, 1, HandoffLink(1e9, bytes_of=lambda n: n))
 
 
 def test_planned_pools_and_their_deploy_commands():

@@ -99,7 +99,7 @@ class DisaggregatedSetup:
 
 
 def disaggregated_setup(deployment: DisaggregatedDeployment) -> DisaggregatedSetup:
-    link = HandoffLink(deployment.handoff_bytes, deployment.link_bytes_per_s(), deployment.link_latency_s)
+    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
     return DisaggregatedSetup(simulation_setup(deployment.prefill), simulation_setup(deployment.decode), link)
 
 
@@ -168,7 +168,7 @@ def plan_summary(deployment: DisaggregatedDeployment) -> dict[str, Any]:
         pool = "prefill" if not prefill.fits else "decode"
         raise PlannerError(f"the {pool} pool does not fit: {(prefill if pool == 'prefill' else decode).note}")
     context = min(deployment.decode.context, decode.plan.max_position_embeddings)
-    link = HandoffLink(deployment.handoff_bytes, deployment.link_bytes_per_s(), deployment.link_latency_s)
+    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
     decode_rate = decode.summary()["decode_tokens_per_s"]
     usd_per_s = deployment.gpus * decode.gpu_hour_usd / 3600
     return {

@@ -59,7 +59,7 @@ def analyse_pools(deployment: DisaggregatedDeployment, workload: Workload, slo: 
     if tpot is not None and one_stream > tpot:
         return f"cannot meet tpot: one stream decodes a token in {one_stream * 1e3:.1f} ms", 0.0
     chunk = min(longest, deployment.prefill.max_num_batched_tokens)
-    link = HandoffLink(deployment.handoff_bytes, deployment.link_bytes_per_s(), deployment.link_latency_s)
+    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
     first = math.ceil(longest / chunk) * prefill.step_seconds(BatchShape.of([], [(chunk, chunk)], prefill.index_topk)) \
         + link.seconds(deployment.handoff_bytes(longest))
     ttft = slo.tightest("ttft")

@@ -23,6 +23,7 @@ import simpy
 
 from engine.core.config import SchedulerConfig
 from engine.core.metrics import RequestTiming
+from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import SamplingParams, Sequence
 from planner.errors import PlannerError
 from planner.simulation.simulator import (
@@ -37,22 +38,32 @@ from planner.simulation.workload import RequestSpec
 
 
 @dataclass(frozen=True)
-class HandoffLink:
-    """What a hand-off costs: `bytes_of(prompt_tokens)` over `bytes_per_s` (one prefill replica to one decode
-    replica), after `latency_s`."""
+class ByteCost:
+    """Seconds for moving bytes: `latency_s` + bytes / `bytes_per_s`."""
 
-    bytes_of: Callable[[int], int]
     bytes_per_s: float
     latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.bytes_per_s) and self.bytes_per_s > 0):
-            raise PlannerError(f"the hand-off link's bandwidth must be positive, got {self.bytes_per_s!r} bytes/s")
+            raise PlannerError(f"a bandwidth must be positive, got {self.bytes_per_s!r} bytes/s")
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise PlannerError(f"the hand-off link's latency must be >= 0 s, got {self.latency_s!r}")
+            raise PlannerError(f"a latency must be >= 0 s, got {self.latency_s!r}")
 
     def seconds(self, num_bytes: int) -> float:
         return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class HandoffLink(ByteCost):
+    """What a hand-off costs: `bytes_of(prompt_tokens)` over the link (one prefill replica to one decode
+    replica). Where the engines copy pages out and in on their own step (`pack`: copied out and checksummed in the
+    prefill step that ends the prompt; `unpack`: checked and copied in, in the decode step that admits it) those
+    costs lengthen those steps; GPU serving engines move pages by DMA beside their steps (None)."""
+
+    bytes_of: Callable[[int], int] = field(default=lambda tokens: 0)
+    pack: ByteCost | None = None
+    unpack: ByteCost | None = None
 
 
 @dataclass
@@ -106,11 +117,26 @@ class DisaggregatedSimulation(Simulation):
         self.prefill = [Replica(self.env, replicas + index, prefill_config, prefill_step_time, self._pool,
                                 options.get("fast_forward", True) and not self.record_steps)
                         for index in range(prefill_replicas)]
+        if link.pack is not None:
+            for replica in self.prefill:
+                replica.step_extra = self._packing
+        if link.unpack is not None:
+            for replica in self.replicas:
+                replica.step_extra = self._unpacking
         self._senders = [simpy.Resource(self.env) for _ in self.prefill]
         self._receivers = [simpy.Resource(self.env) for _ in self.replicas]
         self._outputs: dict[int, int] = {}
         self._unique: dict[int, bool] = {}
         self._sent_by: dict[int, int] = {}
+
+    def _packing(self, output: SchedulerOutput) -> float:
+        """The pages copied out in a prefill step: of every prompt whose first token it samples."""
+        return sum(self.link.pack.seconds(self.link.bytes_of(item.seq.num_prompt_tokens))
+                   for item in output.chunks if item.samples)
+
+    def _unpacking(self, output: SchedulerOutput) -> float:
+        """The pages checked and copied in, in a decode step: of every hand-off it admits."""
+        return sum(self.link.unpack.seconds(self.link.bytes_of(seq.num_prompt_tokens)) for seq in output.arrived)
 
     def submit(self, request: RequestSpec) -> None:
         for name, config in (("prefill", self.prefill_config), ("decode", self.config)):

@@ -173,6 +173,7 @@ class Replica:
         self.step_time = (step_time.for_replica(index, lambda: env.now) if isinstance(step_time, ModelStepTime)
                           else step_time)
         self.steps = 0                  # steps this replica ran
+        self.step_extra: Callable[[SchedulerOutput], float] | None = None      # work a step does beside the model
         self._no_window_until = 0       # the step before which no decode window can be long enough
         self.wakeup = env.event()
         self.unfinished = 0
@@ -211,6 +212,8 @@ class Replica:
                                    "larger than the KV pool")
             start = env.now
             duration = self.step_time(output)
+            if self.step_extra is not None:
+                duration += self.step_extra(output)
             if self.speculation is not None and self.speculation.draft_step_share:
                 duration += self.draft_seconds(output)
             self.steps += 1

@@ -270,7 +270,7 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
     reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
-        requests, specs = _engine_requests(specs, llm, repeating=speculative is not None)
+        requests, specs = engine_requests(specs, llm, repeating=speculative is not None)
         if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
             profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
         else:
@@ -294,7 +294,7 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
                        None if stats is None else stats.summary(), outcomes)
 
 
-def _engine_requests(specs: list[RequestSpec], llm: LLM,
+def engine_requests(specs: list[RequestSpec], llm: LLM,
                      repeating: bool = False) -> tuple[list[ServeRequest], list[RequestSpec]]:
     """The engine's requests: prompts of the workload's own token identities where it has them (shared prefixes,
     conversations: ids every vocabulary has), else cut from English text (`repeating`: text said twice, which
