@@ -84,7 +84,9 @@ class ServerConfig:
 
     def startup_notice(self, capacity_tokens: int) -> str:
         """What `engine serve` says when it starts: where, how much, and who may use it."""
-        where = f"engine: serving {self.model_name!r} on http://{self.host}:{self.port} ({capacity_tokens} KV token slots)"
+        role = f" as a {self.role} replica" if self.role != "single" else ""
+        where = (f"engine: serving {self.model_name!r}{role} on http://{self.host}:{self.port} ({capacity_tokens} KV "
+                 f"token slots)")
         if self.api_key is not None:
             return f"{where}; /v1 requires the API key"
         if self.loopback_only:
