@@ -159,6 +159,16 @@ def settled(served_pair, timeout_s: float = 30.0) -> dict[str, int]:
     return {role: engine.pages_held for role, engine in engines.items()}
 
 
+def decode_ttft(served_pair) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx2.get(f"{served_pair['urls']['decode']}/metrics", timeout=30).text
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name.startswith("kvplan_time_to_first_token_seconds")}
+    return {"count": samples["kvplan_time_to_first_token_seconds_count"],
+            "sum": samples["kvplan_time_to_first_token_seconds_sum"]}
+
+
 def test_proxy_serves_the_single_engines_tokens(engine, english_prompts, served_pair):
     prompts = [english_prompts[i] for i in (1, 5, 11)]
     reference = engine.generate(prompts, GREEDY)
@@ -171,6 +181,8 @@ def test_proxy_serves_the_single_engines_tokens(engine, english_prompts, served_
     streamed = client.completions.create(model="smollm2-135m", prompt=prompts[0], max_tokens=GREEDY.max_tokens,
                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == reference[0].text
+    ttft = decode_ttft(served_pair)         # the decode replica counts each TTFT from before the prefill it asked for
+    assert ttft["count"] == len(prompts) + 1 and ttft["sum"] / ttft["count"] > 0.02
     messages = [{"role": "user", "content": "Name a colour."}]
     chat = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=6, temperature=0)
     chat_prompt = engine.tokenizer.apply_chat_template(messages)

@@ -184,11 +184,11 @@ def build_app(llm: LLM, config: ServerConfig, fault_injector: FaultInjector | No
             if transfer is None:
                 stream = engine.submit(token_ids, params, body.stop_strings, body.cache_salt, request_id)
             else:
-                llm.new_sequence(token_ids, params, body.cache_salt)       # refuse a bad request before its prefill
+                arrived = llm.new_sequence(token_ids, params, body.cache_salt).arrival_time     # a bad one: 400 now
                 handoff = await pull_handoff(app.state.prefill_client, transfer.prefill_url,
                                              PrefillRequest.of(token_ids, params, body.cache_salt, request_id),
                                              request.headers.get("authorization"))
-                stream = engine.submit_handoff(handoff, params, body.stop_strings, request_id)
+                stream = engine.submit_handoff(handoff, params, body.stop_strings, request_id, arrived)
         except PrefillFailed as error:
             return refuse(error.status, str(error), "prefill_error")
         except RequestError as error:

@@ -127,12 +127,15 @@ class AsyncEngine:
         return self._queue(RequestStream(seq, TextStream(self.decode, stop), request_id))
 
     def submit_handoff(self, handoff: KVHandoff, params: SamplingParams, stop: tuple[str, ...],
-                       request_id: str = "") -> RequestStream:
+                       request_id: str = "", arrival_time: float | None = None) -> RequestStream:
         """Queues an arrival from a prefill replica (a decode replica's request): its first token is the stream's
-        first event at once, the rest follow as it decodes here."""
+        first event at once, the rest follow as it decodes here. `arrival_time` (perf_counter): when the request
+        reached this server, before its prefill, so that its TTFT here counts the prefill and the hand-off."""
         self._admissible()
-        stream = self._queue(RequestStream(self.llm.new_handoff(handoff, params), TextStream(self.decode, stop),
-                                           request_id, handoff))
+        seq = self.llm.new_handoff(handoff, params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        stream = self._queue(RequestStream(seq, TextStream(self.decode, stop), request_id, handoff))
         self._deliver_tokens(stream, None, time.perf_counter())
         return stream
 
