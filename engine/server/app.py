@@ -9,7 +9,6 @@ events become stream chunks or one response. `run_server` serves until SIGTERM o
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import math
@@ -30,14 +29,13 @@ from pydantic import BaseModel, ConfigDict
 from engine.core.errors import ConfigError, RequestError
 from engine.core.sequence import SamplingParams
 from engine.llm import LLM
-from engine.server.async_engine import AsyncEngine, Draining, QueueFull, RequestStream
+from engine.server.async_engine import AsyncEngine, Draining, QueueFull, RequestStream, next_event
 from engine.server.disaggregation import ROLES, PrefillFailed, PrefillRequest, add_prefill_route, pull_handoff
 from engine.server.guards import ApiKeyGuard, BodyLimit
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatRequest, CompletionRequest, ResponseWriter, SamplingFields, error_body
 from engine.server.shutdown import DrainingServer
 
-DISCONNECT_POLL_S = 0.25        # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1
 DEFAULT_MAX_BODY_BYTES = 4 << 20    # a 128k-token prompt as text or as token ids is well under 1 MiB
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -276,12 +274,9 @@ async def whole(engine: AsyncEngine, request: Request, stream: RequestStream, wr
     token_ids: list[int] = []
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
+            event = await next_event(request, stream)
+            if event is None:
+                return Response(status_code=499)
             if event.error is not None:
                 return JSONResponse(error_body(event.error, event.error_type), headers=headers,
                                     status_code=ERROR_STATUS.get(event.error_type, 500))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TextIO, TypeVar
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 from engine.core.handoff import KVHandoff
 from engine.core.profile_format import batch_shape, regime_of
@@ -27,8 +27,12 @@ from engine.llm import LLM, RequestOutput
 from engine.server.metrics import ServerMetrics
 from engine.server.text_stream import TextStream
 
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
 log = logging.getLogger("engine.server.async_engine")
 SETTLE_TIMEOUT_S = 60.0     # a drain waits this long at most for the step in progress to apply its aborts
+DISCONNECT_POLL_S = 0.25    # how often a handler waiting on a stream checks that its client is still there
 Result = TypeVar("Result")
 
 
@@ -76,6 +80,16 @@ class RequestStream:
         self.sent_tokens = 0
         self.last_token_s: float | None = None
         self.done = False           # ended: finished, failed or aborted
+
+
+async def next_event(request: Request, stream: RequestStream) -> Event | None:
+    """The stream's next event for a handler that answers once (not streamed); None once its client went away."""
+    while True:
+        try:
+            return await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
 
 
 class AsyncEngine:

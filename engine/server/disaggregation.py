@@ -13,7 +13,6 @@ A client gone away aborts the request on whichever replica holds it: neither kee
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import httpx2
@@ -24,11 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.core.errors import RequestError
 from engine.core.handoff import MEDIA_TYPE, KVHandoff
 from engine.core.sequence import SamplingParams
-from engine.server.async_engine import AsyncEngine, Draining, QueueFull
+from engine.server.async_engine import AsyncEngine, Draining, QueueFull, next_event
 
 ROLES = ("single", "prefill", "decode")
 PREFILL_TIMEOUT_S = 600.0       # a prompt queued behind others on a busy prefill replica
-DISCONNECT_POLL_S = 0.5
 
 
 class PrefillRequest(BaseModel):
@@ -107,12 +105,9 @@ def add_prefill_route(app: FastAPI, engine: AsyncEngine, refuse: Refuse,
             return unavailable()
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(stream.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
+                event = await next_event(request, stream)
+                if event is None:
+                    return Response(status_code=499)
                 if event.error is not None:
                     return refuse(500, event.error, event.error_type)
                 if event.finish_reason is not None:
