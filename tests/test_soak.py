@@ -19,3 +19,30 @@ def test_a_small_soak_loses_nothing():
     assert len(report["faults"]) == SMALL.faults and counts["victims"] >= SMALL.faults
     assert report["pages_used_idle"] == 0 and report["pages_quarantined"] > 0    # faults quarantine, nothing leaks
     assert report["shutdown"]["exit_code"] == 0 and report["shutdown"]["probe_statuses"] == [503] * 3
+    assert counts["near_ties"] <= SMALL.requests * 0.02         # forgiven only at a genuine greedy near-tie
+
+
+def test_a_differing_token_is_forgiven_only_at_a_near_tie(monkeypatch, engine):
+    """`Soak.near_tie` scores the prompt (completion or chat template) and the reference up to the first differing
+    token: that token and the reference's within TIE_LOGIT_GAP in logit is a near-tie; the same tokens, or a
+    difference beyond the gap, are not."""
+    import engine.server.soak as soak_module
+    from engine.core.sequence import SamplingParams
+    from engine.server.soak import Planned, Soak
+
+    class Unstarted:
+        url = "http://127.0.0.1:9"          # the clients are made, never used
+
+    soak = Soak(SMALL, Unstarted())
+    for chat in (False, True):
+        item = Planned(0, "good", chat, 1, 8, False)
+        prompt = soak.prompts[1]
+        if chat:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        reference = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        other = reference[:3] + [(reference[3] + 1) % 49152] + reference[4:]
+        assert not soak.near_tie(item, reference, reference)
+        monkeypatch.setattr(soak_module, "TIE_LOGIT_GAP", 0.0)
+        assert not soak.near_tie(item, other, reference)
+        monkeypatch.setattr(soak_module, "TIE_LOGIT_GAP", 1e9)
+        assert soak.near_tie(item, other, reference)

@@ -6,8 +6,9 @@
     ─► a last wave of streams, SIGTERM in its middle, 503s for newcomers, the process's exit
 
 Checked: every well-formed request not cut off got exactly the greedy token ids its prompt gets alone (through
-`return_token_ids`: batching, chunked prefill, preemption and prefix caching change nothing), a stream cut off
-got a prefix of them, every bad request its status, every fault's victims an integrity error and nobody else
+`return_token_ids`: batching, chunked prefill, preemption and prefix caching change nothing), or ids that first
+differ at a greedy near-tie (`Soak.near_tie`: two tokens within 0.01 in logit, which another batch may round either
+way; counted apart), a stream cut off got a prefix of them, every bad request its status, every fault's victims an integrity error and nobody else
 one, no KV page held once idle, the resident memory's growth over the second half under a bound, the drain
 completing the last wave, exit code 0. Needs the `openai` client (the test extra).
 """
@@ -33,6 +34,7 @@ from engine.server.soak_verdict import BAD_CASES, judge
 
 MODEL = "smollm2-135m"
 API_KEY = "soak-key"
+TIE_LOGIT_GAP = 1e-2    # two tokens this close in logit are a greedy near-tie: batching may flip it, no fault does
 FAULT_KINDS = ("use_after_free", "foreign_page", "double_allocation", "page_out_of_range", "shared_write",
                "freed_held")   # those the server's default integrity mode (ownership) detects, hash_collision aside
 FAULT_ATTEMPTS = 200            # a fault waits for a moment some request in flight can take it
@@ -152,12 +154,33 @@ class Soak:
         self.victims: set[str] = set()
         self.faults: list[dict[str, Any]] = []
         self.rss: list[tuple[int, float]] = []      # (requests ended, resident bytes)
+        self._scorer: Any = None        # an engine here, made only to judge a token that differs (`near_tie`)
         self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=600)
         self.stranger = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="not-the-key", max_retries=0)
 
     async def close(self) -> None:
         await self.client.close()
         await self.stranger.close()
+
+    def near_tie(self, item: Planned, tokens: list[int], reference: list[int]) -> bool:
+        """Whether `tokens` first leave `reference` at a greedy near-tie: the two tokens there within TIE_LOGIT_GAP
+        of each other in the logits of the prompt and the reference so far (scored by an engine of the served
+        model here). Another batch composition rounds those logits otherwise and may take the other token;
+        everything after follows from it. A difference that is no near-tie, or a missing tail, stays a failure."""
+        from engine.server.protocol import ChatMessage
+
+        first = next((k for k, (got, want) in enumerate(zip(tokens, reference)) if got != want), None)
+        if first is None:
+            return False
+        if self._scorer is None:
+            from engine.llm import LLM
+
+            self._scorer = LLM(model=MODEL, weights="fp32", device="cpu", integrity="off", kv_cache_gib=0.05)
+        prompt = self.prompts[item.prompt]
+        if item.chat:           # as the server renders it
+            prompt = self._scorer.tokenizer.apply_chat_template([ChatMessage(role="user", content=prompt).model_dump()])
+        logits = self._scorer.score(self._scorer.encode_prompt(prompt) + reference[:first])[-1]
+        return abs(float(logits[reference[first]] - logits[tokens[first]])) <= TIE_LOGIT_GAP
 
     async def raw(self, path: str, body: dict[str, Any] | bytes | None = None, key: str | None = API_KEY) -> Reply:
         """Plain HTTP beside the client (malformed bodies, probes, /metrics), on a thread of the default pool."""
