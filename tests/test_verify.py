@@ -15,6 +15,14 @@ import numpy as np
 from conftest import REPO, run_cli
 
 
+def planner_json(args: list[str]) -> dict:
+    """`planner ARGS --json` in a process of its own: its one JSON object (it must exit 0)."""
+    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
 def test_small_verification_against_the_engine(tmp_path, capsys):
     profile = tmp_path / "profile.json"
     made = run_cli("profile", "--model", "smollm2-135m", "--device", "cpu", "--kv-dtype", "bf16", "--memory-gib", "1",
@@ -29,10 +37,7 @@ def test_small_verification_against_the_engine(tmp_path, capsys):
     args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "4", "--requests", "30",
             "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48", "--kv-cache-gib", "0.1",
             "--seed", "1", "--out-dir", str(tmp_path), "--json"]
-    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
+    payload = planner_json(args)
     metrics = payload["metrics"]
     with capsys.disabled():
         print("\nverification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items()))
@@ -69,10 +74,7 @@ def verify_conversations(profile, capsys) -> None:
     args = ["verify", "--profile", str(profile), "--workload", "poisson", "--rate", "2", "--requests", "24",
             "--turns", "4", "--shared-prefix", "64", "--think-time", "0.5", "--prompt-tokens", "uniform:32:96",
             "--output-tokens", "uniform:16:32", "--kv-cache-gib", "0.1", "--seed", "1", "--json"]
-    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
+    payload = planner_json(args)
     metrics, corrected = payload["metrics"], payload["machine"]["metrics_drift_corrected"]
     with capsys.disabled():
         print("\nconversations: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
@@ -95,10 +97,7 @@ def verify_speculative(profile, capsys) -> None:
             "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48", "--kv-cache-gib", "0.1",
             "--seed", "1", "--speculative", "ngram:4", "--out-dir", str(Path(profile).parent / "speculative"),
             "--json"]
-    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr
-    payload = json.loads(result.stdout)
+    payload = planner_json(args)
     metrics, corrected = payload["metrics"], payload["machine"]["metrics_drift_corrected"]
     drafted = json.loads((Path(profile).parent / "speculative" / "verification.json").read_text())["speculative"]
     with capsys.disabled():
@@ -163,10 +162,7 @@ def verify_disaggregated(profile: Path, capsys) -> None:
     args = ["verify", "--profile", str(profile), "--disaggregate", "--workload", "poisson", "--rate", "2",
             "--requests", "30", "--prompt-tokens", "uniform:32:256", "--output-tokens", "uniform:16:48",
             "--kv-cache-gib", "0.1", "--decode-kv-cache-gib", "0.04", "--seed", "2", "--json"]
-    done = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
-    payload = json.loads(done.stdout)
+    payload = planner_json(args)
     metrics = payload["metrics"]
     with capsys.disabled():
         print("\ndisaggregated verification errors: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())

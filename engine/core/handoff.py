@@ -28,8 +28,9 @@ LENGTH = struct.Struct(">I")
 MEDIA_TYPE = "application/x-kvplan-handoff"
 
 
-def page_checksum(data: bytes | memoryview) -> str:
-    """A page's checksum: 64-bit BLAKE2b, so a flipped bit anywhere in it (any layer, any pool) shows."""
+def checksum(data: bytes | memoryview) -> str:
+    """A hand-off's checksum of bytes (a page's, the FP8 scales'): 64-bit BLAKE2b, so a flipped bit anywhere in
+    them (any layer, any pool) shows."""
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
@@ -63,7 +64,7 @@ class KVHandoff:
         """A hand-off of pages just copied out, with their checksums taken now (before sending)."""
         page_bytes = len(payload) // max(1, pages_for_tokens(len(prompt_token_ids), page_size))
         view = memoryview(payload)
-        checksums = tuple(page_checksum(view[start:start + page_bytes])
+        checksums = tuple(checksum(view[start:start + page_bytes])
                           for start in range(0, len(payload), page_bytes))
         return cls(tuple(prompt_token_ids), first_token, params, layout, page_size, scales_digest, checksums,
                    payload, cache_salt, request_id)
@@ -81,7 +82,7 @@ class KVHandoff:
 
     def corrupt_pages(self) -> list[int]:
         """The pages whose bytes no longer match the checksums taken before sending."""
-        return [index for index, checksum in enumerate(self.checksums) if page_checksum(self.page(index)) != checksum]
+        return [index for index, taken in enumerate(self.checksums) if checksum(self.page(index)) != taken]
 
     def header(self) -> dict[str, Any]:
         return {"prompt_token_ids": list(self.prompt_token_ids), "first_token": self.first_token,

@@ -24,10 +24,9 @@ the profiler's tiling) covers them too.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from engine.core.handoff import checksum
 from engine.core.memory import KVLayout, kv_cache_bytes
 from engine.kernels.backend import use_triton
 from engine.model.dtypes import TORCH_DTYPES
@@ -198,8 +197,7 @@ class PagedKVCache:
         same scales."""
         if not self.is_fp8:
             return ""
-        data = b"".join(scale.cpu().numpy().tobytes() for scale in self.scales)
-        return hashlib.blake2b(data, digest_size=8).hexdigest()
+        return checksum(b"".join(scale.cpu().numpy().tobytes() for scale in self.scales))
 
     def tile(self, written: list[int], max_tile_bytes: int = 256 << 20) -> None:
         """Copies the `written` pages over the whole pool, in tiles of at most `max_tile_bytes` per pool: the

@@ -12,6 +12,7 @@ tokens per step. Cost per million output tokens: GPU-hours of the whole deployme
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -133,6 +134,11 @@ class Capacity:
     index_topk: int = 0                 # sparse attention: the tokens a query reads (0: dense); BatchShape.of needs it
     request_overhead_s: float = 0.0     # the API server's time per request (`StepParameters.request_overhead_s`)
     uncertainty: dict[str, float | None] | None = None  # error bar (%) by kind of figure (`Calibration.uncertainty`)
+
+    def prompt_seconds(self, prompt_tokens: int) -> float:
+        """One prompt alone: its chunks of the deployment's batched-token budget, one step each."""
+        chunk = min(prompt_tokens, self.deployment.max_num_batched_tokens)
+        return math.ceil(prompt_tokens / chunk) * self.step_seconds(BatchShape.of([], [(chunk, chunk)], self.index_topk))
 
     @property
     def fits(self) -> bool:

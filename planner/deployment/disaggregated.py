@@ -78,6 +78,10 @@ class DisaggregatedDeployment:
                                    self.decode.draft_layers)
         return handoff_bytes(layout, prompt_tokens, plan.page_size)
 
+    def handoff_link(self) -> HandoffLink:
+        """The link the simulator prices hand-offs on: this deployment's bytes over its NVLink or NICs."""
+        return HandoffLink(self.link_bytes_per_s(), self.link_latency_s, self.handoff_bytes)
+
     def link_bytes_per_s(self) -> float:
         """One prefill replica to one decode replica: each GPU of the narrower replica sends over its own link."""
         hardware = get_hardware(self.decode.hardware)
@@ -99,8 +103,8 @@ class DisaggregatedSetup:
 
 
 def disaggregated_setup(deployment: DisaggregatedDeployment) -> DisaggregatedSetup:
-    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
-    return DisaggregatedSetup(simulation_setup(deployment.prefill), simulation_setup(deployment.decode), link)
+    return DisaggregatedSetup(simulation_setup(deployment.prefill), simulation_setup(deployment.decode),
+                              deployment.handoff_link())
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ def plan_summary(deployment: DisaggregatedDeployment) -> dict[str, Any]:
         pool = "prefill" if not prefill.fits else "decode"
         raise PlannerError(f"the {pool} pool does not fit: {(prefill if pool == 'prefill' else decode).note}")
     context = min(deployment.decode.context, decode.plan.max_position_embeddings)
-    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
+    link = deployment.handoff_link()
     decode_rate = decode.summary()["decode_tokens_per_s"]
     usd_per_s = deployment.gpus * decode.gpu_hour_usd / 3600
     return {

@@ -26,7 +26,6 @@ from typing import Any
 from engine.core.metrics import RequestTiming
 from planner.catalog.hardware import get_hardware
 from planner.catalog.models import get_model
-from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import HOURS, Deployment, deployment_uncertainty, evaluate, figure_uncertainty
 from planner.deployment.commands import deploy_commands
 from planner.deployment.disaggregated import DisaggregatedDeployment, disaggregated_setup
@@ -151,9 +150,7 @@ def analyse(deployment: Deployment, workload: Workload, slo: Slo) -> tuple[str |
     if tpot is not None and one_stream > tpot:
         return f"cannot meet tpot: one stream decodes a token in {one_stream * 1e3:.1f} ms", 0.0
     ttft = slo.tightest("ttft")
-    chunk = min(longest, deployment.max_num_batched_tokens)
-    prefill = math.ceil(longest / chunk) * capacity.step_seconds(BatchShape.of([], [(chunk, chunk)],
-                                                                                capacity.index_topk))
+    prefill = capacity.prompt_seconds(longest)
     if ttft is not None and prefill > ttft:
         return f"cannot meet ttft: the longest prompt alone prefills in {prefill:.3f} s", 0.0
     return None, 1.0 / (prompt / capacity.prefill_tokens_per_s + output / capacity.decode_tokens_per_s)

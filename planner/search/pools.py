@@ -8,12 +8,10 @@ the slower pool sustains by the step model.
 """
 from __future__ import annotations
 
-import math
 import statistics
 
-from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import Deployment, evaluate
-from planner.deployment.disaggregated import DisaggregatedDeployment, HandoffLink, parse_pools, split_pools
+from planner.deployment.disaggregated import DisaggregatedDeployment, parse_pools, split_pools
 from planner.errors import PlannerError
 from planner.search.slo import Slo
 from planner.simulation.workload import Workload
@@ -58,10 +56,7 @@ def analyse_pools(deployment: DisaggregatedDeployment, workload: Workload, slo: 
     one_stream = 1.0 / decode.single_stream_tokens_per_s
     if tpot is not None and one_stream > tpot:
         return f"cannot meet tpot: one stream decodes a token in {one_stream * 1e3:.1f} ms", 0.0
-    chunk = min(longest, deployment.prefill.max_num_batched_tokens)
-    link = HandoffLink(deployment.link_bytes_per_s(), deployment.link_latency_s, deployment.handoff_bytes)
-    first = math.ceil(longest / chunk) * prefill.step_seconds(BatchShape.of([], [(chunk, chunk)], prefill.index_topk)) \
-        + link.seconds(deployment.handoff_bytes(longest))
+    first = prefill.prompt_seconds(longest) + deployment.handoff_link().seconds(deployment.handoff_bytes(longest))
     ttft = slo.tightest("ttft")
     if ttft is not None and first > ttft:
         return f"cannot meet ttft: the longest prompt alone prefills and hands off in {first:.3f} s", 0.0
