@@ -45,16 +45,19 @@ PUBLISHED = [
      "output_tokens_per_s_per_gpu": 14800 / 8,
      "source": "https://github.com/deepseek-ai/open-infra-index/blob/main/202502OpenSourceWeek/"
                "day_6_one_more_thing_deepseekV3R1_inference_system_overview.md",
+     "date": "2025-03-01 (read 2026-12-04)",
      "quote": "~73.7k tokens/s input (including cache hits) during prefilling or ~14.8k tokens/s output during "
               "decoding"},
     {"what": "DeepSeek-V3, SGLang PD disaggregation + large-scale EP, 12 nodes x 8 H100, 2000-token inputs",
      "output_tokens_per_s_per_gpu": 22300 / 8, "source": "https://lmsys.org/blog/2025-05-05-large-scale-ep/",
+     "date": "2025-05-05 (read 2026-12-04)",
      "quote": "52.3k input tokens per second and 22.3k output tokens per second per node for 2000-token input "
               "sequences"},
     {"what": "Kimi K2, SGLang + Mooncake, 128 H200 (1P1D: 4 prefill nodes, 12 decode nodes), input 2000, output 100",
      "output_tokens_per_s_per_gpu": 24000 / 8, "source": "https://lmsys.org/blog/2025-07-20-k2-large-scale-ep/",
-     "quote": "56k prefill and 24k decode tokens/s per node (per node: the cluster totals differ between "
-              "versions of the post)"},
+     "date": "2025-07-20 (read 2026-12-04)",
+     "quote": "| **Kimi K2** | 384 | 128 × H200 | 56k / node | 24k / node |; Decode Throughput | "
+              "**288k tokens/sec (12 D Nodes)**"},
 ]
 
 
