@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
 THREADS = max(1, os.cpu_count() or 1)
 torch.set_num_threads(THREADS)
 if not torch.cuda.is_available():
@@ -55,3 +55,9 @@ def run_cli(*args: str, timeout: float = 300):
 
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
+
+
+def pytest_configure(config):
+    from resources import ResourcePlugin
+
+    config.pluginmanager.register(ResourcePlugin(os.environ.get("KVPLAN_TEST_RESOURCES")), "kvplan-resources")

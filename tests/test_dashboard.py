@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-pytest.importorskip("streamlit")
-from conftest import REPO  # noqa: E402
-from streamlit.testing.v1 import AppTest  # noqa: E402
+from conftest import REPO
+from streamlit.testing.v1 import AppTest
 
 APP = str(REPO / "app.py")
 

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
+import transformers  # a test dependency: a broken install fails here, never skips
 from conftest import REPO, run_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
-
-transformers = pytest.importorskip("transformers")
 
 TINY_DEEPSEEK = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -137,7 +136,6 @@ def test_the_engine_allocates_what_engine_info_says(tmp_path, weights):
 def test_the_triton_mla_decode_gives_the_torch_tokens(deepseek, monkeypatch):
     """The engine's GPU path, run on CPU in the Triton interpreter: the paged MLA kernel reads the latent
     pages in place."""
-    pytest.importorskip("triton")
     from engine.kernels import mla_decode
     from engine.kernels.backend import ENV_VARIABLE
 

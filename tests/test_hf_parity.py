@@ -17,7 +17,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def hf_model(smollm_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32)
     return model.eval()

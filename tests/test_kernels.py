@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytest.importorskip("triton")
-
-from kernel_cases import (  # noqa: E402
+import triton  # noqa: F401  (a test dependency: a broken install fails here, never skips)
+from kernel_cases import (
     fp8_case,
     indexer_case,
     int4_case,
@@ -18,15 +16,15 @@ from kernel_cases import (  # noqa: E402
     sparse_mla_case,
 )
 
-from engine.kernels import reference  # noqa: E402
-from engine.kernels.fp8_matmul import w8a16_matmul  # noqa: E402
-from engine.kernels.indexer_scores import paged_indexer_scores  # noqa: E402
-from engine.kernels.int4_matmul import w4a16_matmul  # noqa: E402
-from engine.kernels.kv_write import kv_write  # noqa: E402
-from engine.kernels.mla_decode import paged_mla_decode  # noqa: E402
-from engine.kernels.ownership_check import ownership_check  # noqa: E402
-from engine.kernels.paged_attention import paged_decode_attention  # noqa: E402
-from engine.kernels.sparse_mla_decode import sparse_mla_decode  # noqa: E402
+from engine.kernels import reference
+from engine.kernels.fp8_matmul import w8a16_matmul
+from engine.kernels.indexer_scores import paged_indexer_scores
+from engine.kernels.int4_matmul import w4a16_matmul
+from engine.kernels.kv_write import kv_write
+from engine.kernels.mla_decode import paged_mla_decode
+from engine.kernels.ownership_check import ownership_check
+from engine.kernels.paged_attention import paged_decode_attention
+from engine.kernels.sparse_mla_decode import sparse_mla_decode
 
 DEVICE = "cpu"
 FP8 = torch.float8_e4m3fn
@@ -127,6 +125,9 @@ def test_kv_write(page_dtype, tokens):
     for ours, theirs in ((pages[0].float(), pages[2].float()), (pages[1].float(), pages[3].float())):
         assert not torch.isnan(ours).any()
         mismatch = ours != theirs
+        if page_dtype != FP8:           # fp32 and fp16 pages: the very values
+            assert not mismatch.any()
+            continue
         # Triton's interpreter loses the carry when fp32 -> e4m3 rounding crosses a power of two (it gives
         # 16 for 31.7); CUDA converts in hardware and tests/gpu demands identical bytes.
         carry_bug = (theirs == 2 * ours) & (torch.frexp(theirs.abs()).mantissa == 0.5)

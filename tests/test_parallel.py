@@ -76,11 +76,15 @@ def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
         spec = llm.model_config
     planned = component_bytes_per_gpu(spec, planned_weight_scheme(spec, weights, group_size=32), Parallelism(gpus=2))
     per_token = kv_bytes_per_token(kv_layout(spec, kv_dtype, 2))
+    # by hand: each rank holds 2 of the 4 KV heads of 16 dims in 2 layers, K and V, in 1 (FP8) or 2 (BF16) bytes;
+    # FP8 adds its static fp32 scales, one per layer, head of the rank and K/V
+    element_bytes = {"fp8": 1, "bf16": 2}[kv_dtype]
+    assert per_token == 2 * 2 * 2 * 16 * element_bytes
+    scale_bytes = 2 * 2 * 2 * 4 if kv_dtype == "fp8" else 0
     assert len(ranks) == 2
     for rank in ranks:
         assert rank["weight_bytes_by_component"] == {k: v for k, v in planned.items() if v}
-        scales = 0 if kv_dtype != "fp8" else rank["kv_cache_bytes"] - 10 * 16 * per_token
-        assert rank["kv_cache_bytes"] - scales == 10 * 16 * per_token and 0 <= scales < 1024
+        assert rank["kv_cache_bytes"] == 10 * 16 * per_token + scale_bytes
     info = run_cli("info", "--model", tiny, "--weights", weights, "--kv-dtype", kv_dtype, "--group-size", "32",
                    "--tensor-parallel", "2", "--json")
     assert info.returncode == 0, info.stderr

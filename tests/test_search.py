@@ -97,7 +97,6 @@ def test_the_executors_and_the_cache_give_the_same_ranking(searched, tmp_path):
     assert ranking(serial) == ranking(searched) and serial.cached == 0
     again = run_search(SPACE, WORKLOAD, SLO, executor="serial", cache=cache, bisections=3)
     assert ranking(again) == ranking(searched) and again.cached == again.simulated
-    pytest.importorskip("ray")
     import ray
 
     try:

@@ -6,11 +6,13 @@
     ─► a last wave of streams, SIGTERM in its middle, 503s for newcomers, the process's exit
 
 Checked: every well-formed request not cut off got exactly the greedy token ids its prompt gets alone (through
-`return_token_ids`: batching, chunked prefill, preemption and prefix caching change nothing), or ids that first
-differ at a greedy near-tie (`Soak.near_tie`: two tokens within 0.01 in logit, which another batch may round either
-way; counted apart), a stream cut off got a prefix of them, every bad request its status, every fault's victims an integrity error and nobody else
-one, no KV page held once idle, the resident memory's growth over the second half under a bound, the drain
-completing the last wave, exit code 0. Needs the `openai` client (the test extra).
+`return_token_ids`: batching, chunked prefill, preemption and prefix caching change nothing), or ids that are greedy
+all along but for near-ties (`greedy_up_to_ties`: the whole returned sequence scored teacher-forced, each token the
+best choice after the ones before it or within 0.01 in logit of it, which another batch may round either way;
+counted apart and bounded); a stream cut off or a fault's victim got an exact prefix of them (no forgiveness there:
+a subtle corruption would show first as just such a flip), every bad request its status, every fault's victims an
+integrity error and nobody else one, no KV page held once idle, the resident memory's growth over the second half
+under a bound, the drain completing the last wave, exit code 0. Needs the `openai` client (the test extra).
 """
 from __future__ import annotations
 
@@ -22,15 +24,19 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.errors import ConfigError
 from engine.core.reference_text import reference_text
 from engine.server.launch import ServerProcess
 from engine.server.soak_verdict import BAD_CASES, judge
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 MODEL = "smollm2-135m"
 API_KEY = "soak-key"
@@ -76,12 +82,15 @@ class SoakConfig:
     max_body_bytes: int = 65536
     drain_timeout_s: float = 120.0
     rss_growth_bound_mib: float = 64.0
+    near_tie_share_bound: float = 0.02      # of the complete answers: more near-ties than this is no rounding
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.clients < 2 or self.requests < 2 * self.clients:
             raise ConfigError(f"a soak needs at least 2 clients and twice as many requests, got {self.clients} "
                               f"clients and {self.requests} requests")
+        if not 0 <= self.near_tie_share_bound < 1:
+            raise ConfigError(f"near_tie_share_bound must be in [0, 1), got {self.near_tie_share_bound}")
         if not 0 <= self.disconnect_share + self.bad_share < 1:
             raise ConfigError(f"disconnect_share + bad_share must be in [0, 1), got "
                               f"{self.disconnect_share + self.bad_share}")
@@ -131,6 +140,19 @@ def plan(config: SoakConfig, count: int, rng: random.Random, first_index: int = 
     return planned
 
 
+def greedy_up_to_ties(scorer: LLM, prompt_ids: list[int], tokens: list[int], gap: float = TIE_LOGIT_GAP) -> int | None:
+    """How many of `tokens` are greedy near-ties, when all are greedy but for those: the sequence scored teacher-forced
+    after `prompt_ids` (one pass), each token the best choice given every token before it, or within `gap` in logit
+    of the best (another batch composition rounds those logits otherwise and may take it). None when any token is
+    neither: a near-tie forgives the token where it happens, not what follows it."""
+    if not tokens:
+        return 0
+    logits = scorer.score(prompt_ids + tokens[:-1])[len(prompt_ids) - 1:]
+    chosen = logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    behind = logits.max(dim=-1).values - chosen
+    return None if bool((behind > gap).any()) else int((behind > 0).sum())
+
+
 def soak_prompts(count: int) -> list[str]:
     """Prompts of 8-80 words cut from English text shipped with Python."""
     words = reference_text(slice(30)).split()
@@ -154,7 +176,7 @@ class Soak:
         self.victims: set[str] = set()
         self.faults: list[dict[str, Any]] = []
         self.rss: list[tuple[int, float]] = []      # (requests ended, resident bytes)
-        self._scorer: Any = None        # an engine here, made only to judge a token that differs (`near_tie`)
+        self._scorer: LLM | None = None     # an engine here, made only to judge tokens that differ (`ties`)
         self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=600)
         self.stranger = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="not-the-key", max_retries=0)
 
@@ -162,25 +184,19 @@ class Soak:
         await self.client.close()
         await self.stranger.close()
 
-    def near_tie(self, item: Planned, tokens: list[int], reference: list[int]) -> bool:
-        """Whether `tokens` first leave `reference` at a greedy near-tie: the two tokens there within TIE_LOGIT_GAP
-        of each other in the logits of the prompt and the reference so far (scored by an engine of the served
-        model here). Another batch composition rounds those logits otherwise and may take the other token;
-        everything after follows from it. A difference that is no near-tie, or a missing tail, stays a failure."""
+    def ties(self, item: Planned, tokens: list[int]) -> int | None:
+        """`greedy_up_to_ties` of a request's tokens after its prompt as the server renders it (completion or chat
+        template), scored by an engine of the served model made here on first use."""
         from engine.server.protocol import ChatMessage
 
-        first = next((k for k, (got, want) in enumerate(zip(tokens, reference)) if got != want), None)
-        if first is None:
-            return False
         if self._scorer is None:
             from engine.llm import LLM
 
             self._scorer = LLM(model=MODEL, weights="fp32", device="cpu", integrity="off", kv_cache_gib=0.05)
         prompt = self.prompts[item.prompt]
-        if item.chat:           # as the server renders it
+        if item.chat:
             prompt = self._scorer.tokenizer.apply_chat_template([ChatMessage(role="user", content=prompt).model_dump()])
-        logits = self._scorer.score(self._scorer.encode_prompt(prompt) + reference[:first])[-1]
-        return abs(float(logits[reference[first]] - logits[tokens[first]])) <= TIE_LOGIT_GAP
+        return greedy_up_to_ties(self._scorer, self._scorer.encode_prompt(prompt), tokens)
 
     async def raw(self, path: str, body: dict[str, Any] | bytes | None = None, key: str | None = API_KEY) -> Reply:
         """Plain HTTP beside the client (malformed bodies, probes, /metrics), on a thread of the default pool."""
