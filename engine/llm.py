@@ -12,6 +12,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, SchedulerConfig
 from engine.core.errors import ConfigError, RequestError
 from engine.core.handoff import KVHandoff
+from engine.core.host_memory import release_freed_memory
 from engine.core.memory import (
     GIB,
     kv_bytes_per_token,
@@ -66,8 +67,11 @@ class LLM:
         self._check_speculative(config.speculative_config)
         self.device = resolve_device(config.device)
         on_gpu = self.device.type == "cuda"
+        self._threads_before: int | None = None      # torch's count, given back on close
         if config.num_threads is not None:
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(config.num_threads)
+        self.closed = False
         self.compute_dtype = config.resolved_compute_dtype(on_gpu)
         self.workers: Workers | None = None
         group = SINGLE
@@ -127,9 +131,26 @@ class LLM:
         return [own] if self.workers is None else self.workers.gather(MEMORY_QUERY, own)
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers (nothing to do on one device); the engine is unusable after."""
+        """Stops the tensor-parallel workers, gives torch's thread count back and lets go of the weights, the KV pool
+        and the runner's buffers, so a closed engine holds no memory (a server or a test suite builds many); the
+        engine refuses work after. Closing twice does nothing more."""
         if self.workers is not None:
             self.workers.close()
+            self.workers = None
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        self.closed = True
+        if getattr(self, "integrity", None) is not None:
+            self.integrity.detach()
+        for name in ("model", "kv_cache", "runner", "integrity", "proposer"):
+            setattr(self, name, None)
+        self._handoffs = {}
+        release_freed_memory()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RequestError("the engine is closed")
 
     def __enter__(self) -> LLM:
         return self
@@ -175,6 +196,7 @@ class LLM:
         return list(prompt)
 
     def _validate(self, token_ids: list[int], max_tokens: int) -> None:
+        self._check_open()
         if not token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -227,6 +249,7 @@ class LLM:
         """A validated arrival from a prefill replica, not queued yet (`add_handoff`): its prompt computed, its
         first token sampled, under `params` (default: the ones it came with). RequestError if it was computed for
         another cache (layout, page size, FP8 scales) or does not fit here; its pages are checked on admission."""
+        self._check_open()
         self._check_single_device("take a hand-off")
         if handoff.layout != self.kv_layout:
             raise RequestError(f"the hand-off was computed for the KV layout {handoff.layout}; this engine's is "
@@ -317,6 +340,7 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the requests that finished in it (or were aborted)."""
+        self._check_open()
         if self.proposer is not None:
             self.scheduler.set_drafts(self._propose)
         arrived_done, self._finished_arrivals = [self._finish(seq) for seq in self._finished_arrivals], []

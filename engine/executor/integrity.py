@@ -31,6 +31,7 @@ context is gone.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -313,13 +314,23 @@ class IntegrityChecker(PageRecord):
     def __init__(self, mode: str, block_manager: BlockManager, kv_cache: PagedKVCache,
                  sample_pages: int = 0, seed: int = 0, tensor_parallel: int = 1) -> None:
         super().__init__(mode, block_manager.num_pages, kv_cache, sample_pages, seed)
-        self.block_manager = block_manager
+        # weakly: the manager holds this record as its guard, and a cycle between them would keep the KV pool alive
+        # until the cyclic collector ran (an engine dropped unclosed kept its 1 GiB pool)
+        self.block_manager = weakref.proxy(block_manager)
         self._pending: dict[int, PendingPage] = {}
         self._outbox: list[Update] | None = [] if tensor_parallel > 1 else None
         self._sharing: dict[int, tuple[int, int, set[int]]] = {}    # shared page -> (epoch, position, holders)
         self._shared_by: dict[int, set[int]] = {}               # sequence -> the shared pages it holds
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         block_manager.guard = self
+
+    def detach(self) -> None:
+        """The block manager guards no more (a closed engine): it no longer holds this record, nor the KV pool."""
+        try:
+            if self.block_manager.guard is self:
+                self.block_manager.guard = None
+        except ReferenceError:          # the manager is gone already
+            pass
 
     # The block manager's guard protocol: grants and releases are queued and reach the device in one write; holder
     # changes as who joined and who left, so that a step costs what changed in it, not what is shared.

@@ -24,6 +24,7 @@ the profiler's tiling) covers them too.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.core.handoff import checksum
@@ -31,6 +32,17 @@ from engine.core.memory import KVLayout, kv_cache_bytes
 from engine.kernels.backend import use_triton
 from engine.model.dtypes import TORCH_DTYPES
 from engine.model.quant import fp8_per_head_scale, fp8_scale, quantize_fp8, require_fp8
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A pool of zeros. On a CPU its pages become resident only as they are written: numpy's zeros come from calloc,
+    whose large blocks are fresh zero pages of the operating system, where torch.zeros writes every byte (an engine
+    with the default 1 GiB pool held 1 GiB from its first step; a test suite builds dozens)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = torch.from_numpy(np.zeros(count * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -46,11 +58,11 @@ class PagedKVCache:
         else:
             row = (layout.num_kv_heads, layout.head_dim)
             scale_shapes = [(layout.num_layers, layout.num_kv_heads)] * 2
-        self.pools = tuple(torch.zeros((layout.num_layers, num_pages, page_size, *row), dtype=dtype, device=device)
+        self.pools = tuple(zeroed_pool((layout.num_layers, num_pages, page_size, *row), dtype, device)
                            for _ in scale_shapes)
         if layout.indexer_layers:
             index_pages = (layout.indexer_layers, num_pages, page_size)
-            self.pools += (torch.zeros((*index_pages, layout.indexer_dim), dtype=dtype, device=device),)
+            self.pools += (zeroed_pool((*index_pages, layout.indexer_dim), dtype, device),)
             if self.is_fp8:
                 self.pools += (torch.ones(index_pages, dtype=torch.float32, device=device),)
         self.scales = tuple(torch.ones(shape, dtype=torch.float32, device=device)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 
 from engine.core.config import EngineConfig
@@ -224,7 +225,11 @@ def read_model_config(source: ModelSource) -> ModelSpec:
 
 
 def _empty_model(config: ModelSpec, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Allocates parameters once, in the target dtype and device, with no throwaway init."""
+    """Allocates parameters once, in the target dtype and device, with no throwaway init.
+
+    The first init on the meta device imports `torch._dynamo`, whose import keeps the frames it ran under: imported
+    there, it kept the first engine of every process alive through `LLM.__init__`'s frame (torch 2.13), so the
+    module imports it at the top instead."""
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to(dtype).to_empty(device=device)
