@@ -183,6 +183,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
         _verify_endpoint(args, workload)
         return
     if args.disaggregate:
+        from planner.verification.comparison import gate_line
         from planner.verification.disaggregated import verify_disaggregated
 
         result = verify_disaggregated(args.profile, workload, args.kv_cache_gib or 0.25, args.decode_kv_cache_gib,
@@ -190,7 +191,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
         print(json.dumps(result) if args.json else "\n".join(
             [f"{name:22s} predicted {m['predicted']:.4g}  measured {m['measured']:.4g}  error {m['error_pct']}%"
              for name, m in result["metrics"].items() if m["predicted"] is not None and m["measured"] is not None]
-            + [f"hand-off bytes exact   {result['handoff_bytes_exact']}"]))
+            + [f"hand-off bytes exact   {result['handoff_bytes_exact']}", gate_line(result["gate"])]))
         return
     result = verify(args.profile, workload, args.kv_cache_gib or 0.25, args.max_num_seqs or 256,
                     args.max_num_batched_tokens or 2048, speculative=args.speculative)
@@ -198,7 +199,7 @@ def cmd_verify(args: argparse.Namespace) -> None:
     if args.out_dir:
         _write_verification(Path(args.out_dir), report, result)
     if args.json:
-        print(json.dumps({key: result[key] for key in ("metrics", "workload", "fingerprint", "replay", "machine")}))
+        print(json.dumps({key: result[key] for key in ("metrics", "gate", "workload", "fingerprint", "replay", "machine")}))
     else:
         print(report)
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
 
+from planner.verification.comparison import PROBES_AGREE_PCT
+
 KV_GIB = "0.25"
+pytestmark = pytest.mark.quiet_machine       # calibrates on the server's step times, then gates their prediction
 
 
 def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -28,13 +32,19 @@ def endpoint():
         yield url
 
 
-def test_calibrate_then_verify_against_the_live_server(endpoint, tmp_path):
-    calibration = tmp_path / "endpoint.calibration.json"
+@pytest.fixture(scope="module")
+def calibrated(endpoint, tmp_path_factory) -> tuple[dict, Path]:
+    """`planner calibrate --endpoint` against the live server, once for the module: its report and its file."""
+    calibration = tmp_path_factory.mktemp("endpoint") / "endpoint.calibration.json"
     fitted = planner("calibrate", "--endpoint", endpoint, "--model", "smollm2-135m", "--hardware", "cpu",
                      "--weights", "bf16", "--kv", "bf16", "--prefill-tokens", "16", "32", "64", "128", "192",
                      "--batches", "1", "2", "3", "4", "6", "8", "--repeats", "2", "--out", str(calibration), "--json")
     assert fitted.returncode == 0, fitted.stderr
-    report = json.loads(fitted.stdout)
+    return json.loads(fitted.stdout), calibration
+
+
+def test_calibrate_then_verify_against_the_live_server(endpoint, calibrated):
+    report, calibration = calibrated
     assert all(report[key] <= 15 for key in ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct"))
     document = json.loads(calibration.read_text())
     assert document["fingerprint"]["engine_version"] == "endpoint:kvplan"
@@ -50,23 +60,21 @@ def test_calibrate_then_verify_against_the_live_server(endpoint, tmp_path):
     assert metrics["kv_capacity_tokens"]["predicted"] == metrics["kv_capacity_tokens"]["measured"]
     print("\nendpoint verification: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
           + f"; machine {json.dumps(result['machine'])}")
-    # as measured or on the predictions scaled by the drift the calibration's own points show when timed again
-    # around the workload (a busy machine's speed changes within minutes; the re-timed points are noisy too:
-    # seen -7.6% raw, +16.6% "corrected" for a drift the served steps did not show), as the verification test does
+    # on the one figure the verification declares: scaled by the drift the calibration's own points show when timed
+    # again before and after the workload where those two agree, as measured where they do not
+    gate = result["gate"]
+    agree = gate["probe_scatter_pct"] is not None and gate["probe_scatter_pct"] <= PROBES_AGREE_PCT
+    assert gate["basis"] == ("drift_corrected" if agree else "measured")
     for figure in ("output_tokens_per_s", "tpot_p50_s"):
-        errors = (metrics[figure]["error_pct"], result["machine"]["metrics_drift_corrected"][figure]["error_pct"])
-        assert min(map(abs, errors)) < 15, (figure, errors)
+        assert abs(gate["metrics"][figure]["error_pct"]) < 15, (figure, gate)
     residuals = document["row_residuals"]
     assert residuals["rows"] == [1, 2, 3, 4, 6, 8] and len(residuals["seconds"]) == 6
 
 
-def test_endpoint_calibration_prices_a_plan(endpoint, tmp_path):
-    """A calibration made from the outside serves `planner plan` like one made from a profile."""
-    calibration = tmp_path / "small.calibration.json"
-    fitted = planner("calibrate", "--endpoint", endpoint, "--model", "smollm2-135m", "--hardware", "cpu",
-                     "--prefill-tokens", "16", "64", "128", "--batches", "1", "4", "8", "--repeats", "1",
-                     "--max-mape", "100", "--out", str(calibration), "--json")
-    assert fitted.returncode == 0, fitted.stderr
+def test_endpoint_calibration_prices_a_plan(calibrated):
+    """A calibration made from the outside serves `planner plan` like one made from a profile (the module's one:
+    a second, smaller calibration here cost 34 s and proved nothing more)."""
+    _, calibration = calibrated
     plan = planner("plan", "--model", "smollm2-135m", "--hardware", "cpu", "--gpus", "1", "--weights", "bf16",
                    "--kv", "bf16", "--context", "512", "--calibration", str(calibration), "--json")
     assert plan.returncode == 0, plan.stderr

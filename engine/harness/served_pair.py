@@ -15,6 +15,7 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.handoff import KVHandoff
@@ -39,10 +40,18 @@ class PairResult:
     decode_steps: list[ServedStep] = field(default_factory=list)
     handoffs: list[HandedOff] = field(default_factory=list)
     preemptions: int = 0                # on the decode engine
+    order: list[str] = field(default_factory=list)      # "prefill" or "decode": which engine took each step, in turn
+
+    def steps_in_order(self) -> list[ServedStep]:
+        """Both engines' steps in the order they ran (one machine ran them, one after another)."""
+        steps = {"prefill": iter(self.prefill_steps), "decode": iter(self.decode_steps)}
+        return [next(steps[role]) for role in self.order]
 
 
-def serve_pair(prefill: LLM, decode: LLM, requests: list[ServeRequest]) -> PairResult:
-    """Runs the requests (first turns only) to completion through the pair (exactly `output_tokens` tokens each)."""
+def serve_pair(prefill: LLM, decode: LLM, requests: list[ServeRequest],
+               between_steps: Callable[[int], None] | None = None) -> PairResult:
+    """Runs the requests (first turns only) to completion through the pair (exactly `output_tokens` tokens each).
+    `between_steps(steps of both engines so far)` runs after each step, off both clocks."""
     if any(request.follows is not None for request in requests):
         raise ValueError("the disaggregated loop serves independent requests, not conversations")
     timings = [RequestTiming(i, r.arrival_s, len(r.prompt_token_ids)) for i, r in enumerate(requests)]
@@ -62,7 +71,7 @@ def serve_pair(prefill: LLM, decode: LLM, requests: list[ServeRequest]) -> PairR
                 _, i = due.pop(0)
                 params = SamplingParams(max_tokens=requests[i].output_tokens, ignore_eos=True)
                 index_of["prefill", prefill.add_request(requests[i].prompt_token_ids, params, hands_off=True)] = i
-            finished, end = _step(prefill, now, result.prefill_steps, index_of, "prefill")
+            finished, end = _step(prefill, now, result, index_of, "prefill", between_steps)
             clocks["prefill"] = link_free = end
             for output in finished:             # one link: the step's hand-offs cross one after another
                 i = index_of.pop(("prefill", output.request_id))
@@ -77,7 +86,7 @@ def serve_pair(prefill: LLM, decode: LLM, requests: list[ServeRequest]) -> PairR
             arrival, _, i, handoff = heapq.heappop(transit)
             index_of["decode", decode.add_handoff(handoff)] = i
             timings[i].first_token_s = arrival
-        finished, clocks["decode"] = _step(decode, now, result.decode_steps, index_of, "decode")
+        finished, clocks["decode"] = _step(decode, now, result, index_of, "decode", between_steps)
         for output in finished:
             i = index_of.pop(("decode", output.request_id))
             timings[i].finish_s = clocks["decode"]
@@ -87,16 +96,20 @@ def serve_pair(prefill: LLM, decode: LLM, requests: list[ServeRequest]) -> PairR
     return result
 
 
-def _step(llm: LLM, now: float, steps: list[ServedStep], index_of: dict[tuple[str, int], int],
-          role: str) -> tuple[list, float]:
-    """One timed step of `llm` from `now`; its finished requests and the instant it ended."""
+def _step(llm: LLM, now: float, result: PairResult, index_of: dict[tuple[str, int], int], role: str,
+          between_steps: Callable[[int], None] | None) -> tuple[list, float]:
+    """One timed step of `llm` (the `role` engine) from `now`; its finished requests and the instant it ended."""
     if not llm.has_unfinished():
         return [], now
     started = time.perf_counter()
     finished = llm.step()
     end = now + time.perf_counter() - started
     output = llm.last_output
+    steps = result.prefill_steps if role == "prefill" else result.decode_steps
     steps.append(ServedStep(now, end - now, [(index_of.get((role, item.seq.seq_id), -1), item.start,
                                               item.scheduled_tokens) for item in output.scheduled],
                             llm.block_manager.num_used_pages, len(llm.scheduler.running)))
+    result.order.append(role)
+    if between_steps is not None:
+        between_steps(len(result.order))
     return finished, end

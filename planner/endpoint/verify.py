@@ -30,7 +30,7 @@ from planner.endpoint.client import (
 from planner.errors import PlannerError
 from planner.simulation.simulator import Simulation, SimulationResult, model_step_time
 from planner.simulation.workload import RequestSpec, Workload
-from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
+from planner.verification.comparison import TIMING_METRICS, compared, gate, gate_line, metrics_table, workload_dict
 
 PROBE_REPEATS = 3                   # timings of the prefill probe of `slowdown`
 
@@ -82,6 +82,7 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
     predicted = simulate_endpoint(calibration, shape, specs).report()
     corrected = simulate_endpoint(calibration, shape, specs, speed).report()
     measured = summarize(run.timings)
+    drift_corrected = {metric: compared(corrected[metric], measured[metric]) for metric in TIMING_METRICS}
     metrics = {"kv_capacity_tokens": compared(predicted_capacity(deployment, shape.page_size, kv_cache_gib),
                                              shape.capacity_tokens),
                **{metric: compared(predicted[metric], measured[metric]) for metric in TIMING_METRICS}}
@@ -90,11 +91,11 @@ def verify_endpoint(url: str, calibration_path: str, workload: Workload, kv_cach
             "calibration": {key: value for key, value in calibration.document.items()
                             if key.startswith(("mape", "holdout")) or key == "parameters"},
             "completed": measured.get("completed", 0),
+            "gate": gate(metrics, drift_corrected, round(100 * abs(run.after - run.before) / speed, 3)),
             "machine": {"slowdown_vs_profile_pct": round(100 * (speed - 1), 2),
                         "slowdown_before_pct": round(100 * (run.before - 1), 2),
                         "slowdown_after_pct": round(100 * (run.after - 1), 2),
-                        "metrics_drift_corrected": {metric: compared(corrected[metric], measured[metric])
-                                                    for metric in TIMING_METRICS}}}
+                        "metrics_drift_corrected": drift_corrected}}
 
 
 @dataclass(frozen=True)
@@ -163,4 +164,4 @@ def endpoint_report(result: dict[str, Any]) -> str:
         f"The calibration's own probes ran {result['machine']['slowdown_before_pct']:+.1f}% slower than when "
         f"calibrated before the workload, {result['machine']['slowdown_after_pct']:+.1f}% after it; with every "
         "predicted step scaled by their mean:", "", *metrics_table(result["machine"]["metrics_drift_corrected"]),
-        "", f"Calibration fit: {result['calibration']}", ""])
+        "", gate_line(result["gate"]).capitalize() + ".", "", f"Calibration fit: {result['calibration']}", ""])

@@ -25,14 +25,23 @@ from planner.catalog.models import get_model
 from planner.errors import PlannerError
 from planner.simulation.disaggregated import ByteCost, DisaggregatedSimulation, HandoffLink
 from planner.simulation.workload import Workload
-from planner.verification.comparison import TIMING_METRICS, compared, workload_dict
+from planner.verification.comparison import TIMING_METRICS, compared, gate, workload_dict
 from planner.verification.engine_run import engine_of, warm_up
-from planner.verification.verify import engine_requests, profile_step_time
+from planner.verification.verify import (
+    AtServedSpeed,
+    cpu_ticks,
+    drift_probes,
+    engine_requests,
+    profile_step_time,
+    served_shape,
+    steal_pct,
+)
 
 PROBE_PAGES = (4, 32, 128)
 PROBE_REPEATS = 5
 
 if TYPE_CHECKING:
+    from engine.harness.served_pair import PairResult
     from engine.llm import LLM
 
 
@@ -103,11 +112,15 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
         decode = engine_of(fingerprint, decode_kv_cache_gib or kv_cache_gib, **limits)
         cleanup.callback(decode.close)
         requests, specs = engine_requests(specs, prefill)
+        probes = drift_probes(profile, kv_cache_gib, limits, cleanup)
         probed = probe_handoffs(prefill, decode)        # before the warm-up publishes pages the probe would overwrite
         longest = max(spec.prompt_tokens for spec in specs)
         warm_up(prefill, longest)
         warm_up(decode, longest)
-        served = serve_pair(prefill, decode, requests)
+        cpu_before = cpu_ticks()
+        served = serve_pair(prefill, decode, requests, between_steps=probes)
+        probes.complete()
+        steal = steal_pct(cpu_before, cpu_ticks())
         configs = prefill.scheduler_config, decode.scheduler_config
     layout = kv_layout(get_model(fingerprint["model_source"]), fingerprint["kv_dtype"])
     if fingerprint.get("num_layers"):
@@ -118,22 +131,42 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
     model = profile_step_time(calibration, profile)
     simulation = DisaggregatedSimulation(configs[0], model, 1, configs[1], model, 1, link)
     predicted = simulation.run(list(specs)).report()
+    speeds = probes.local_speeds([served_shape(step) for step in served.steps_in_order()])
+    drift_corrected = at_served_speed(model, configs, link, served, speeds).run(list(specs)).report()
     measured = summarize(served.timings)
     engine_bytes = sorted((handoff.request, handoff.num_bytes) for handoff in served.handoffs)
     planned_bytes = [(index, link.bytes_of(spec.prompt_tokens)) for index, spec in enumerate(specs)]
     transfers = [handoff.arrived_s - handoff.ready_s for handoff in served.handoffs]
+    metrics = {
+        **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},
+        "preemptions": compared(predicted["preemptions"], served.preemptions),
+        "handoff_bytes": compared(simulation.stats.bytes, sum(size for _, size in engine_bytes)),
+    }
+    machine = {**probes.report(speeds), "cpu_steal_pct": steal,
+               "metrics_drift_corrected": {name: compared(drift_corrected[name], measured[name])
+                                           for name in TIMING_METRICS}}
     return {
-        "metrics": {
-            **{name: compared(predicted[name], measured[name]) for name in TIMING_METRICS},
-            "preemptions": compared(predicted["preemptions"], served.preemptions),
-            "handoff_bytes": compared(simulation.stats.bytes, sum(size for _, size in engine_bytes)),
-        },
+        "metrics": metrics,
+        "gate": gate(metrics, machine["metrics_drift_corrected"], machine["probe_scatter_pct"]),
         "handoff_bytes_exact": engine_bytes == planned_bytes,
         "handoff_costs": {name: {"latency_s": cost.latency_s, "bytes_per_s": cost.bytes_per_s}
                           for name, cost in probed.items()},
         "link": {                 "served_transfer_p50_s": statistics.median(transfers),
                  "simulated_transfer_p50_s": statistics.median(simulation.stats.seconds)},
         "steps": {"prefill": len(served.prefill_steps), "decode": len(served.decode_steps)},
+        "machine": machine,
         "workload": workload_dict(workload), "fingerprint": fingerprint,
         "engine": {"kv_cache_gib": kv_cache_gib, "decode_kv_cache_gib": decode_kv_cache_gib or kv_cache_gib, **limits},
     }
+
+
+def at_served_speed(model: Callable, configs: tuple, link: HandoffLink, served: PairResult,
+                    speeds: list[float]) -> DisaggregatedSimulation:
+    """The pair's simulation with each engine's steps priced at the machine's speed measured around its own served
+    steps (`speeds`, both engines' steps in the order they ran): the two engines and the load share one machine."""
+    by_role = {role: [speed for speed, ran in zip(speeds, served.order) if ran == role] for role in ("prefill", "decode")}
+    prefill = AtServedSpeed(model, [step.start_s for step in served.prefill_steps], by_role["prefill"])
+    decode = AtServedSpeed(model, [step.start_s for step in served.decode_steps], by_role["decode"])
+    simulation = DisaggregatedSimulation(configs[0], prefill, 1, configs[1], decode, 1, link)
+    prefill.clock = decode.clock = lambda: simulation.env.now
+    return simulation

@@ -42,7 +42,7 @@ from planner.simulation.simulator import (
 )
 from planner.simulation.speculation import Speculation
 from planner.simulation.workload import RequestSpec, Workload
-from planner.verification.comparison import TIMING_METRICS, compared, metrics_table, workload_dict
+from planner.verification.comparison import TIMING_METRICS, compared, gate, gate_line, metrics_table, workload_dict
 from planner.verification.drafting import ReplayedDrafts, drafting_by_request, served_outcomes
 from planner.verification.engine_run import engine_of, english_prompts, warm_up
 from planner.verification.probe_engine import ProbeEngine
@@ -174,12 +174,21 @@ class DriftProbes:
         return [around(step + 0.5) * shape_factor.get(self.probe_like(kind, decodes), 1.0)
                 for step, (kind, decodes) in enumerate(shapes)]
 
+    def scatter_pct(self) -> float | None:
+        """How much the probes disagree with themselves: the median over probes of the interquartile range of one
+        probe's timings, in percent of their median. A steady machine, however slow, times one step alike all run
+        long (the drift then means one thing); a neighbour that comes and goes scatters them."""
+        scatters = [100 * float(np.subtract(*np.percentile(times, [75, 25])) / np.median(times))
+                    for times in self.times if len(times) >= PROBE_MIN_TIMINGS]
+        return round(float(np.median(scatters)), 3) if scatters else None
+
     def report(self, local_speeds: list[float]) -> dict[str, Any]:
         from engine.harness.profiler import Profiler
 
         local = local_speeds or [self.speed()]
         return {"slowdown_vs_profile_pct": round(100 * (self.speed() - 1), 3), "probe_every_steps": self.every,
                 "local_slowdown_pct": [round(100 * (min(local) - 1), 3), round(100 * (max(local) - 1), 3)],
+                "probe_scatter_pct": self.scatter_pct(),
                 "probes": [{"kind": s["kind"], "point": Profiler.point_of(s), "profiled_s": s["median_s"],
                             "timed": len(times), "median_s": round(float(np.median(times)), 6),
                             "slowdown_pct": round(100 * (float(np.median(times)) / s["median_s"] - 1), 3)}
@@ -232,7 +241,8 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     machine = {**run.probes.report(speeds), "cpu_steal_pct": run.steal_pct,
                "metrics_drift_corrected": {name: compared(predicted.drift_corrected[name], measured[name])
                                            for name in TIMING_METRICS}}
-    result = {"metrics": metrics, "replay": replay, "machine": machine, "workload": workload_dict(workload),
+    judged = gate(metrics, machine["metrics_drift_corrected"], machine["probe_scatter_pct"])
+    result = {"metrics": metrics, "gate": judged, "replay": replay, "machine": machine, "workload": workload_dict(workload),
               "fingerprint": fingerprint, "calibration": _fit_summary(calibration.document),
               "engine": {"kv_cache_gib": kv_cache_gib, **engine, "capacity_tokens": run.capacity_tokens}}
     if run.speculation is not None:
@@ -262,21 +272,14 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
            speculative: str | None = None) -> VerifiedRun:
     """The workload through an engine configured as the profiled one, a second engine timing the profile's own
     steps again between the served steps (drift probes)."""
-    from engine.harness.profiler import Profiler, SweepPlan
     from engine.harness.served_run import serve_requests
 
     fingerprint = profile["fingerprint"]
     llm = engine_of(fingerprint, kv_cache_gib, speculative=speculative, **engine)
-    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
         requests, specs = engine_requests(specs, llm, repeating=speculative is not None)
-        if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
-            profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
-        else:
-            profiler = Profiler(engine_of(fingerprint, kv_cache_gib, **reference_settings),
-                                SweepPlan(warmup=1, repeats=1))
-        probes = DriftProbes(profiler, probe_samples(profile, profiler))
+        probes = drift_probes(profile, kv_cache_gib, engine, cleanup)
         warm_up(llm, max(spec.prompt_tokens for spec in specs))
         cpu_before = cpu_ticks()
         served = serve_requests(llm, requests, clock="virtual", between_steps=probes)
@@ -292,6 +295,22 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
         speculation = replace(overall, by_request=drafting_by_request(outcomes, overall))
     return VerifiedRun(served, probes, speeds, steal, llm.scheduler_config, llm.capacity_tokens, specs, speculation,
                        None if stats is None else stats.summary(), outcomes)
+
+
+def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str, int], cleanup: ExitStack) -> DriftProbes:
+    """A second engine configured as the profiled one (closed with `cleanup`), to time the profile's own steps again
+    between the served steps."""
+    from engine.harness.profiler import Profiler, SweepPlan
+
+    fingerprint = profile["fingerprint"]
+    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
+    if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
+        profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
+    else:
+        reference = engine_of(fingerprint, kv_cache_gib, **reference_settings)
+        cleanup.callback(reference.close)
+        profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
+    return DriftProbes(profiler, probe_samples(profile, profiler))
 
 
 def engine_requests(specs: list[RequestSpec], llm: LLM,
@@ -443,7 +462,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         *(f"| {name} | {e['steps']} | {e['median_error_pct']:+.1f}% | {e['total_error_pct']:+.1f}% | "
           f"{d['median_error_pct']:+.1f}% | {d['total_error_pct']:+.1f}% |"
           for (name, e), d in zip(replay["step_model"].items(), replay["step_model_drift_corrected"].values())),
-        "", _drift_section(result["machine"]),
+        "", _drift_section(result["machine"]), "", gate_line(result["gate"]).capitalize() + ".",
         "", f"Calibration fit: {result['calibration']}", ""])
 
 
