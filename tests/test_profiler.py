@@ -69,6 +69,7 @@ def test_the_profile_points_can_be_timed_again(profile, small_engine):
     assert not profiler.can_remeasure(too_big)      # 8 x 200 tokens > 40 pages of 16
 
 
+@pytest.mark.quiet_machine      # a point is cheap by its first timing: on a busy machine none may be (seen 2026-12-04)
 def test_cheap_points_are_timed_more_often_in_later_passes(profile):
     """Once in the first pass; in the second as often as the first timing says fits the time per point."""
     def allowed(first: float) -> set[int]:      # times are rounded to the microsecond: either side of a boundary
