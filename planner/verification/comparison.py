@@ -7,7 +7,8 @@ from typing import Any
 
 from planner.simulation.workload import Workload
 
-TIMING_METRICS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s")
+TIMING_METRICS = ("output_tokens_per_s", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s",
+                  "e2e_p50_s")
 # Drift probes agree when they time the same reference step alike all run long: their scatter (the interquartile
 # range of one probe's timings over their median, or an endpoint's probe before the workload against after it) at
 # most this many percent. Then the drift they measured is one thing and the drift-corrected figures are the

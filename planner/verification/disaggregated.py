@@ -29,6 +29,7 @@ from planner.verification.comparison import TIMING_METRICS, compared, gate, work
 from planner.verification.engine_run import engine_of, warm_up
 from planner.verification.verify import (
     AtServedSpeed,
+    DriftProbes,
     cpu_ticks,
     drift_probes,
     engine_requests,
@@ -132,7 +133,7 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
     simulation = DisaggregatedSimulation(configs[0], model, 1, configs[1], model, 1, link)
     predicted = simulation.run(list(specs)).report()
     speeds = probes.local_speeds([served_shape(step) for step in served.steps_in_order()])
-    drift_corrected = at_served_speed(model, configs, link, served, speeds).run(list(specs)).report()
+    drift_corrected = at_served_speed(model, configs, link, served, probes).run(list(specs)).report()
     measured = summarize(served.timings)
     engine_bytes = sorted((handoff.request, handoff.num_bytes) for handoff in served.handoffs)
     planned_bytes = [(index, link.bytes_of(spec.prompt_tokens)) for index, spec in enumerate(specs)]
@@ -161,12 +162,16 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
 
 
 def at_served_speed(model: Callable, configs: tuple, link: HandoffLink, served: PairResult,
-                    speeds: list[float]) -> DisaggregatedSimulation:
-    """The pair's simulation with each engine's steps priced at the machine's speed measured around its own served
-    steps (`speeds`, both engines' steps in the order they ran): the two engines and the load share one machine."""
-    by_role = {role: [speed for speed, ran in zip(speeds, served.order) if ran == role] for role in ("prefill", "decode")}
-    prefill = AtServedSpeed(model, [step.start_s for step in served.prefill_steps], by_role["prefill"])
-    decode = AtServedSpeed(model, [step.start_s for step in served.decode_steps], by_role["decode"])
+                    probes: DriftProbes) -> DisaggregatedSimulation:
+    """The pair's simulation with each engine's steps priced at the machine's speed around its own served steps
+    (both engines' steps timed in the order they ran: the two engines and the load share one machine), for a step of
+    the priced step's shape."""
+    around = probes.speeds_around(len(served.order))
+    by_role = {role: [speed for speed, ran in zip(around, served.order) if ran == role] for role in ("prefill", "decode")}
+    prefill = AtServedSpeed(model, [step.start_s for step in served.prefill_steps], by_role["prefill"],
+                            probes.shape_factor)
+    decode = AtServedSpeed(model, [step.start_s for step in served.decode_steps], by_role["decode"],
+                           probes.shape_factor)
     simulation = DisaggregatedSimulation(configs[0], prefill, 1, configs[1], decode, 1, link)
     prefill.clock = decode.clock = lambda: simulation.env.now
     return simulation

@@ -149,30 +149,44 @@ class DriftProbes:
 
     def local_speeds(self, shapes: list[tuple[str, int]]) -> list[float]:
         """The machine's speed for each served step, given as (regime, decodes): how slow the machine was
-        around that instant (the median ratio of the probe timings nearest to it, two of each reference step)
-        times how much slower than that the probe most like the step ran over the whole run.
+        around that instant (`speeds_around`) times how much slower than that the probe most like the step ran over
+        the whole run (`shape_factor`).
 
         Both matter. A neighbour on this VM can slow every step by 1.5-2x for a minute and then leave
         (consecutive identical decode steps measured 0.42, 0.88, 0.80, 0.39 s): one factor for the whole run
         would pass that minute's error on to the rest. And the drift is not one factor for every shape: in one
         run the prefill probe ran 20% slower than profiled, the single-sequence decode 11%, the decode of 10
-        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast. A probe timed
-        fewer than `SHAPE_MIN_TIMINGS` times (a short run) gives no shape factor: its median would be noise."""
+        sequences 5% faster; a run of small decodes scaled by their median was predicted 14% fast."""
+        around = self.speeds_around(len(shapes))
+        return [speed * self.shape_factor(kind, decodes) for speed, (kind, decodes) in zip(around, shapes)]
+
+    def speeds_around(self, num_steps: int) -> list[float]:
+        """How slow the machine was around each of `num_steps` served steps: the median ratio of the probe timings
+        nearest to it, two of each reference step."""
         if not self.timeline:
-            return [1.0] * len(shapes)
-        at = np.array([step for step, _, _ in self.timeline], dtype=float)
-        probes = np.array([probe for _, probe, _ in self.timeline])
-        ratios = np.array(self.ratios())
+            return [1.0] * num_steps
+        at, _, ratios = self._arrays()
         window = min(len(ratios), 2 * len(self.samples))
+        return [float(np.median(ratios[np.argsort(np.abs(at - (step + 0.5)), kind="stable")[:window]]))
+                for step in range(num_steps)]
 
-        def around(step: float) -> float:
-            return float(np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]))
+    def shape_factor(self, kind: str, decodes: int) -> float:
+        """How much slower than the machine around it the probe most like a step of this shape ran, over the whole
+        run; 1 where that probe was timed fewer than `SHAPE_MIN_TIMINGS` times (a short run: its median would be
+        noise)."""
+        probe = self.probe_like(kind, decodes)
+        if probe is None or not self.timeline:
+            return 1.0
+        at, probes, ratios = self._arrays()
+        if int((probes == probe).sum()) < SHAPE_MIN_TIMINGS:
+            return 1.0
+        window = min(len(ratios), 2 * len(self.samples))
+        around = np.array([np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]) for step in at])
+        return float(np.median((ratios / around)[probes == probe]))
 
-        relative = ratios / np.array([around(step) for step in at])
-        shape_factor = {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())
-                        if int((probes == index).sum()) >= SHAPE_MIN_TIMINGS}
-        return [around(step + 0.5) * shape_factor.get(self.probe_like(kind, decodes), 1.0)
-                for step, (kind, decodes) in enumerate(shapes)]
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.array([step for step, _, _ in self.timeline], dtype=float),
+                np.array([probe for _, probe, _ in self.timeline]), np.array(self.ratios()))
 
     def scatter_pct(self) -> float | None:
         """How much the probes disagree with themselves: the median over probes of the interquartile range of one
@@ -267,6 +281,11 @@ class VerifiedRun:
     # per request id, each decode step's (drafts checked, drafts that stood), as served
     draft_outcomes: dict[int, list[tuple[int, int]]] | None = None
 
+    @property
+    def around(self) -> list[float]:
+        """Per served step: the machine's speed around it, whatever the step's shape."""
+        return self.probes.speeds_around(len(self.served.steps))
+
 
 def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: dict[str, int],
            speculative: str | None = None) -> VerifiedRun:
@@ -343,17 +362,22 @@ class Predictions:
 
 
 class AtServedSpeed:
-    """A step model scaled by the machine's speed during the served step under way at the simulated instant
-    (`clock`, the simulation's own: bound once the simulation that calls this exists)."""
+    """A step model scaled by the machine's speed around the served step under way at the simulated instant
+    (`clock`, the simulation's own: bound once the simulation that calls this exists), for a step of the priced
+    step's own shape: the simulation forms other batches than the engine did, and a mixed step priced while the
+    engine ran a decode takes the mixed probe's factor, not the decode's."""
 
-    def __init__(self, model: Callable[[SchedulerOutput], float], starts: list[float], speeds: list[float]) -> None:
-        self.model, self.starts, self.speeds = model, starts, speeds
+    def __init__(self, model: Callable[[SchedulerOutput], float], starts: list[float], speeds: list[float],
+                 shape_factor: Callable[[str, int], float] = lambda kind, decodes: 1.0) -> None:
+        self.model, self.starts, self.speeds, self.shape_factor = model, starts, speeds, shape_factor
         self.clock: Callable[[], float] = lambda: 0.0
 
     def __call__(self, output: SchedulerOutput) -> float:
         if not self.speeds:
             return self.model(output)
-        return self.speeds[max(0, bisect.bisect_right(self.starts, self.clock()) - 1)] * self.model(output)
+        batch = batch_shape(output)
+        factor = self.shape_factor(regime_of(batch), batch["num_decodes"])
+        return self.speeds[max(0, bisect.bisect_right(self.starts, self.clock()) - 1)] * factor * self.model(output)
 
 
 def profile_step_time(calibration: Calibration, profile: dict[str, Any]) -> ModelStepTime:
@@ -383,7 +407,8 @@ def _predict(calibration: Calibration, profile: dict[str, Any], run: VerifiedRun
     replaying = None if speculation is None else replace(speculation, by_request={
         request_id: ReplayedDrafts(done) for request_id, done in run.draft_outcomes.items()})
     replayed = Simulation(run.config, replay_and_model, record_steps=True, speculation=replaying).run(list(specs))
-    at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.speeds)
+    at_served_speed = AtServedSpeed(model, [step.start_s for step in run.served.steps], run.around,
+                                    run.probes.shape_factor)
     corrected = Simulation(run.config, at_served_speed, speculation=speculation)
     at_served_speed.clock = lambda: corrected.env.now
     return Predictions(simulated.report(), _cached_by_request(simulated, specs), replayed, modelled,
