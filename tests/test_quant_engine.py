@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import run_cli
 
 from engine.core.sequence import SamplingParams
@@ -36,8 +37,11 @@ def test_fp8_kv_greedy_answers_match_bf16(kv_engines):
     """FP8 pages may flip a near-tie, and a greedy answer then diverges for good (on one CPU the haiku
     starts "The waves" with BF16 pages and "In the depths" with FP8; on another both say "The waves").
     So both engines read the BF16 engine's greedy answers, teacher-forced: the FP8 engine must pick the same
-    next token almost everywhere, and only where BF16's own top two logits nearly tie."""
+    next token almost everywhere, and flip only where BF16's own top two are closer than FP8 pages move such a
+    pair: the 90th percentile, over every answered position, of how far FP8 moved BF16's top-two gap (2026-12-04:
+    median 0.10, 90th percentile 0.45, largest 1.01 logits; the two flips at gaps of 0.119 and 0.125)."""
     bf16, fp8 = kv_engines["bf16"], kv_engines["fp8"]
+    flipped_gaps, moved = [], []
     agree = positions = 0
     for chat in CHATS:
         prompt = bf16.encode_prompt(bf16.tokenizer.apply_chat_template([{"role": "user", "content": chat}]))
@@ -45,11 +49,16 @@ def test_fp8_kv_greedy_answers_match_bf16(kv_engines):
         answered = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)
         reference, quantized = bf16.score(prompt + answer)[answered], fp8.score(prompt + answer)[answered]
         assert reference.argmax(-1).tolist() == answer            # scoring reproduces the greedy answer
+        top2 = reference.topk(2, dim=-1)
+        gap = top2.values[:, 0] - top2.values[:, 1]
+        quantized_gap = quantized.gather(1, top2.indices[:, :1])[:, 0] - quantized.gather(1, top2.indices[:, 1:])[:, 0]
+        moved += (quantized_gap - gap).abs().tolist()
         same = quantized.argmax(-1) == reference.argmax(-1)
-        top2 = reference.topk(2, dim=-1).values
-        assert bool(((top2[:, 0] - top2[:, 1]) < 1.0)[~same].all()), f"{chat!r}: FP8 KV flipped a clear choice"
+        flipped_gaps += gap[~same].tolist()
         agree += int(same.sum())
         positions += len(answer)
+    bound = float(torch.tensor(moved).quantile(0.9))
+    assert all(gap < bound for gap in flipped_gaps), (flipped_gaps, bound)       # FP8 KV flipped a clear choice
     assert agree >= 0.9 * positions, (agree, positions)
 
 
