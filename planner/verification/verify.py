@@ -108,6 +108,8 @@ class DriftProbes:
     # every timing: (served steps before it, which probe, seconds)
     timeline: list[tuple[int, int, float]] = field(default_factory=list)
     steps_done: int = 0
+    # (timings they were computed from, factor per probe): `shape_factor`'s, computed again only when timings come
+    _factors: tuple[int, dict[int, float]] | None = field(default=None, repr=False)
 
     def __call__(self, steps_done: int) -> None:
         self.steps_done = steps_done
@@ -165,28 +167,32 @@ class DriftProbes:
         nearest to it, two of each reference step."""
         if not self.timeline:
             return [1.0] * num_steps
-        at, _, ratios = self._arrays()
-        window = min(len(ratios), 2 * len(self.samples))
-        return [float(np.median(ratios[np.argsort(np.abs(at - (step + 0.5)), kind="stable")[:window]]))
-                for step in range(num_steps)]
+        return self._around(np.arange(num_steps) + 0.5).tolist()
 
     def shape_factor(self, kind: str, decodes: int) -> float:
         """How much slower than the machine around it the probe most like a step of this shape ran, over the whole
         run; 1 where that probe was timed fewer than `SHAPE_MIN_TIMINGS` times (a short run: its median would be
-        noise)."""
-        probe = self.probe_like(kind, decodes)
-        if probe is None or not self.timeline:
-            return 1.0
-        at, probes, ratios = self._arrays()
-        if int((probes == probe).sum()) < SHAPE_MIN_TIMINGS:
-            return 1.0
-        window = min(len(ratios), 2 * len(self.samples))
-        around = np.array([np.median(ratios[np.argsort(np.abs(at - step), kind="stable")[:window]]) for step in at])
-        return float(np.median((ratios / around)[probes == probe]))
+        noise). The simulation asks at every step it prices: the factors are computed once per timeline."""
+        if self._factors is None or self._factors[0] != len(self.timeline):
+            self._factors = (len(self.timeline), self._shape_factors())
+        return self._factors[1].get(self.probe_like(kind, decodes), 1.0)
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (np.array([step for step, _, _ in self.timeline], dtype=float),
-                np.array([probe for _, probe, _ in self.timeline]), np.array(self.ratios()))
+    def _shape_factors(self) -> dict[int, float]:
+        if not self.timeline:
+            return {}
+        at = np.array([step for step, _, _ in self.timeline], dtype=float)
+        probes = np.array([probe for _, probe, _ in self.timeline])
+        relative = np.array(self.ratios()) / self._around(at)
+        return {index: float(np.median(relative[probes == index])) for index in set(probes.tolist())
+                if int((probes == index).sum()) >= SHAPE_MIN_TIMINGS}
+
+    def _around(self, points: np.ndarray) -> np.ndarray:
+        """At each point (in served steps), the median ratio of the probe timings nearest to it."""
+        at = np.array([step for step, _, _ in self.timeline], dtype=float)
+        ratios = np.array(self.ratios())
+        window = min(len(ratios), 2 * len(self.samples))
+        return np.array([np.median(ratios[np.argsort(np.abs(at - point), kind="stable")[:window]])
+                         for point in points])
 
     def scatter_pct(self) -> float | None:
         """How much the probes disagree with themselves: the median over probes of the interquartile range of one
