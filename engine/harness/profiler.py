@@ -107,26 +107,6 @@ def split_prompts(tokens: int, prompts: int) -> list[int]:
     return [tokens // prompts + (index < tokens % prompts) for index in range(prompts)]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 class RepeatDrafts:
     """Drafts for the verification points: a sequence's last K tokens again. What a verification costs does not
     hang on which tokens it checks or on how many stand, and forced drafts make every step of a point verify."""
@@ -572,4 +552,3 @@ def _proc_status_kib(field_name: str) -> int:
             if line.startswith(field_name + ":"):
                 return int(line.split()[1])
     raise OSError(f"{field_name} not in /proc/self/status")
-

@@ -308,21 +308,3 @@ def calibrate(profile: dict[str, Any], max_mape: float = MAX_MAPE_PCT,
         document["measured_linears"] = {"linears": profile["linears"],
                                         **fit_report(Points.of(profile["samples"], costs, linears), peaks, max_mape)}
     return document
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

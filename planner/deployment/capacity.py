@@ -332,25 +332,3 @@ def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpe
         if plan.max_concurrency(deployment.context):
             return gpus
     return None
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -3,7 +3,9 @@
 From the outside a server shows only when each streamed token arrives. A short, bounded sweep turns those
 arrival times into step samples of the profile format, which `planner.calibration.profile_fit` fits like an engine profile:
 
-    prefill   one request alone, a prompt of P tokens, one output token: its TTFT is a prefill step of P
+    prefill   one request alone, a prompt of P tokens, one output token: its TTFT is a prefill step of P (after
+              one untimed such prompt: a server's first prompt of a length pays once for allocations, page
+              faults, kernel choice or graph capture; a freshly started kvplan on CPU took twice as long)
     decode    c requests at once, prompt L, D output tokens: once all c stream, the gaps between their tokens
               are decode steps of batch c (contexts L + the tokens so far)
     mixed     c decode streams, then one prompt of P: the gap that ends with its first token is a step of
@@ -66,10 +68,6 @@ class EndpointSweep:
                                f"got {self.decode_output_tokens}")
 
 
-
-
-
-
 @dataclass(frozen=True)
 class RowResiduals:
     """What the fitted step model misses at each decode batch the sweep timed (measured less fitted seconds), by
@@ -99,18 +97,6 @@ def row_residuals(samples: list[dict[str, Any]], costs: ModelCosts, peaks: Peaks
     return {"rows": [s["batch"]["num_decodes"] for s in decodes],
             "seconds": [round(s["median_s"] - step_time(costs, peaks, params, BatchShape(**s["batch"])), 7)
                         for s in decodes]}
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _steady_gaps(timings: list[StreamTiming]) -> list[tuple[int, float]]:
@@ -145,6 +131,7 @@ async def _sweep(client: Client, sweep: EndpointSweep, vocab_size: int) -> list[
     rng = np.random.default_rng()      # prompts no earlier run sent: a prefix cache must not answer them
     samples = []
     for tokens in sweep.prefill_tokens:
+        await prefill_ttfts(client, tokens, 1, vocab_size, rng)
         ttfts = await prefill_ttfts(client, tokens, sweep.repeats, vocab_size, rng)
         samples.append(_sample("prefill", shape_fields([], [(tokens, tokens)]), ttfts))
     prompt, output = sweep.decode_prompt_tokens, sweep.decode_output_tokens
@@ -194,8 +181,6 @@ def _sample(kind: str, batch: dict[str, int], seconds: list[float]) -> dict[str,
     return {"kind": kind, "batch": batch, "median_s": round(statistics.median(seconds), 7), "timings": len(seconds)}
 
 
-
-
 def calibrate_endpoint(url: str, deployment: Deployment, sweep: EndpointSweep | None = None,
                        max_mape: float = MAX_MAPE_PCT, served_name: str | None = None) -> dict[str, Any]:
     """Times the sweep on the live endpoint and fits the step model of `deployment` (the model, GPUs and dtypes
@@ -224,23 +209,3 @@ def calibrate_endpoint(url: str, deployment: Deployment, sweep: EndpointSweep | 
         "sweep": asdict(sweep),
     }
     return document
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -59,10 +59,6 @@ PROBE_MIN_TIMINGS = 3       # each probe at least this often (a short run tops t
 SHAPE_MIN_TIMINGS = 6       # a probe's own drift, beside the machine's, needs this many timings: one is +-6%
 
 
-
-
-
-
 def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_size: int) -> int:
     """The planner's own arithmetic for the engine's pool: the model's KV layout over the budget."""
     fingerprint = profile["fingerprint"]
@@ -70,10 +66,6 @@ def predicted_kv_capacity(profile: dict[str, Any], kv_cache_gib: float, page_siz
     spec = model.truncated(fingerprint.get("num_layers"), fingerprint.get("num_experts"))
     layout = kv_layout(spec, fingerprint["kv_dtype"], fingerprint.get("tensor_parallel", 1))
     return kv_pages_for_budget(int(kv_cache_gib * GIB), layout, page_size) * page_size
-
-
-
-
 
 
 def cpu_ticks() -> tuple[int, int] | None:
@@ -92,8 +84,6 @@ def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> 
     if before is None or after is None or after[1] <= before[1]:
         return None
     return round(100 * (after[0] - before[0]) / (after[1] - before[1]), 2)
-
-
 
 
 @dataclass
@@ -473,10 +463,6 @@ def step_model_errors(modelled: list[tuple[str, float]], measured: list[float]) 
     return out
 
 
-
-
-
-
 def markdown_report(result: dict[str, Any]) -> str:
     rows = metrics_table(result["metrics"])
     fp = result["fingerprint"]
@@ -509,5 +495,3 @@ def _drift_section(machine: dict[str, Any]) -> str:
             + "{:+.1f}%..{:+.1f}%)".format(*machine["local_slowdown_pct"]) + ":", "",
             *metrics_table(machine["metrics_drift_corrected"])]
     return "\n".join(rows)
-
-
