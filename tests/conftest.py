@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2 model is loaded once per session and shared by the engines."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,10 @@ torch.set_num_threads(THREADS)
 # ones start at once and the short ones fill in behind them instead of one long module starting last
 LONGEST_FIRST = ("test_parallel.py", "test_integrity.py", "test_quant_engine.py", "test_llm.py", "test_speculative.py",
                  "test_soak.py", "test_disaggregation.py", "test_deepseek.py", "test_server_guards.py", "test_cli.py")
+# The timed tests run after the rest in these two groups side by side (`--dist loadgroup`), one a core: seconds in
+# such a run on the 2-core VM, 2026-12-04: 140 + 100 against 180 + 15 (alone, one after another: 407 s)
+TIMED_GROUPS = {"test_verify.py": "timed-a", "test_endpoint.py": "timed-a",
+                "test_verify_drafts_and_pairs.py": "timed-b", "test_profiler.py": "timed-b"}
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels run on CPU through the interpreter
 
@@ -36,12 +41,30 @@ def _one_thread_count_for_every_test():
     torch.set_num_threads(THREADS)
 
 
+SHARED_ENGINES: list = []       # the session's engines, open until the end by design
+
+
+def open_engines() -> list:
+    """Every engine this process still holds that is not closed, the session's shared ones aside."""
+    from engine.llm import LLM
+
+    return [obj for obj in gc.get_objects() if type(obj) is LLM and not getattr(obj, "closed", True)
+            and not any(obj is shared for shared in SHARED_ENGINES)]
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _freed_memory_back_after_each_module():
-    """Engines a module built and dropped are freed, but glibc keeps their pages in its heaps: handed back here, so
-    one module's garbage does not raise the next one's peak."""
+def _engines_closed_and_memory_back_after_each_module(request):
+    """No module leaves an engine open: one that something still references (a server's routes, a module fixture)
+    keeps its weights and KV pool for the rest of the run (2026-12-04: four servers' engines held 1.4 GB of a
+    worker to its end). Engines a module dropped are freed, but glibc keeps their pages in its heaps: handed back
+    here, so one module's garbage does not raise the next one's peak."""
     yield
     release_freed_memory()
+    left = open_engines()
+    for llm in left:
+        llm.close()
+    assert not left, (f"{request.module.__name__} left {len(left)} engine(s) open: close them (with LLM(...) as "
+                      f"llm, or at its fixture's teardown)")
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +79,9 @@ def engine():
     """The default engine: SmolLM2-135M in fp32 on CPU."""
     from engine.llm import LLM
 
-    return LLM(model="smollm2-135m", weights="fp32", device="cpu")
+    llm = LLM(model="smollm2-135m", weights="fp32", device="cpu")
+    SHARED_ENGINES.append(llm)
+    return llm
 
 
 @pytest.fixture(scope="session")
@@ -75,12 +100,19 @@ def run_cli(*args: str, timeout: float = 300):
                           timeout=timeout, cwd=REPO)
 
 
+@pytest.hookimpl(tryfirst=True)         # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         name = Path(str(item.fspath)).name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)        # stable: the order within a module, and among the rest, is kept
+    for item in items:
+        if item.get_closest_marker("timed") is not None:
+            name = Path(str(item.fspath)).name
+            if name not in TIMED_GROUPS:
+                raise pytest.UsageError(f"{item.nodeid} is marked timed: give {name} a group in TIMED_GROUPS")
+            item.add_marker(pytest.mark.xdist_group(TIMED_GROUPS[name]))
 
 
 def pytest_configure(config):

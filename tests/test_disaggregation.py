@@ -142,6 +142,8 @@ def served_pair():
                for role in ("prefill", "decode")}
     apps = {role: build_app(llm, ServerConfig("smollm2-135m", role=role)) for role, llm in engines.items()}
     with ExitStack() as stack:
+        for llm in engines.values():
+            stack.enter_context(llm)
         urls = {role: stack.enter_context(serve_in_thread(app)) for role, app in apps.items()}
         proxy = build_proxy(ProxyConfig((urls["prefill"],), (urls["decode"],)))
         urls["proxy"] = stack.enter_context(serve_in_thread(proxy))

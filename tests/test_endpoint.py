@@ -12,7 +12,7 @@ from conftest import REPO
 from verify_checks import assert_gated
 
 KV_GIB = "0.25"
-pytestmark = pytest.mark.quiet_machine       # calibrates on the server's step times, then gates their prediction
+pytestmark = pytest.mark.timed       # calibrates on the server's step times, then gates their prediction
 
 
 def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.core.config import EngineConfig
 from engine.core.errors import ConfigError, LoaderError, RequestError
 from engine.core.sequence import SamplingParams
 from engine.core.spec import spec_from_config
@@ -94,3 +96,14 @@ def test_damaged_and_unknown_models(tmp_path, smollm_path):
     bad_rope.write_text(json.dumps({**TINY, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
     with pytest.raises(ConfigError, match="longrope"):
         load_model(str(bad_rope))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "native"])
+def test_a_gguf_cut_to_two_layers_holds_the_full_models_first_two(weights):
+    """`--num-layers 2` reads only the first two blocks of the GGUF (INT4 as shipped, or dequantized): every tensor
+    it holds is the full model's, to the bit."""
+    engine = EngineConfig(model="smollm2-135m", weights=weights)
+    full = load_model("smollm2-135m", "fp32", "cpu", engine=engine).model.state_dict()
+    cut = load_model("smollm2-135m", "fp32", "cpu", engine=replace(engine, num_layers=2)).model.state_dict()
+    assert any(name.startswith("layers.1.") for name in cut) and not any(name.startswith("layers.2.") for name in cut)
+    assert all(torch.equal(tensor, full[name]) for name, tensor in cut.items())

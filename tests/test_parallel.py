@@ -106,8 +106,9 @@ def test_generate_on_two_ranks_from_the_command_line(tiny):
 
 
 def test_smollm2_over_three_ranks_gives_the_one_device_tokens():
-    """SmolLM2's 9 heads, 3 KV heads, 1536-wide MLP and 49152-token vocabulary split three ways."""
-    settings = dict(model="smollm2-135m", num_threads=1, kv_cache_gib=0.05)
+    """SmolLM2's 9 heads, 3 KV heads, 1536-wide MLP and 49152-token vocabulary split three ways (its first four
+    layers: the split is the same in every layer, and three ranks of all 30 took 38 s on two cores)."""
+    settings = dict(model="smollm2-135m", num_layers=4, num_threads=1, kv_cache_gib=0.05)
     chat = ["What is the capital of France?", "Name three primary colours."]
     params = SamplingParams(max_tokens=8)
     expected = [r.token_ids for r in LLM(**settings).generate(chat, params)]

@@ -1,6 +1,8 @@
 """The profiler on the real engine: what a profile records, and re-timing its own points later."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from engine.core.profile_format import PROFILE_VERSION, REGIMES
@@ -9,9 +11,10 @@ from engine.llm import LLM
 
 
 @pytest.fixture(scope="module")
-def small_engine() -> LLM:
-    return LLM(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu", num_pages=40, page_size=16,
-               max_num_seqs=8, max_num_batched_tokens=256, integrity="off")
+def small_engine() -> Iterator[LLM]:
+    with LLM(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu", num_pages=40, page_size=16,
+             max_num_seqs=8, max_num_batched_tokens=256, integrity="off") as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_the_profile_points_can_be_timed_again(profile, small_engine):
     assert not profiler.can_remeasure(too_big)      # 8 x 200 tokens > 40 pages of 16
 
 
-@pytest.mark.quiet_machine      # a point is cheap by its first timing: on a busy machine none may be (seen 2026-12-04)
+@pytest.mark.timed      # a point is cheap by its first timing: on a busy machine none may be (seen 2026-12-04)
 def test_cheap_points_are_timed_more_often_in_later_passes(profile):
     """Once in the first pass; in the second as often as the first timing says fits the time per point."""
     def allowed(first: float) -> set[int]:      # times are rounded to the microsecond: either side of a boundary

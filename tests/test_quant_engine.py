@@ -19,12 +19,14 @@ CHATS = ["What is the capital of France?", "Name three primary colours.",
 
 @pytest.fixture(scope="module")
 def kv_engines():
-    return {kv: LLM(model="smollm2-135m", kv_dtype=kv) for kv in ("bf16", "fp8")}
+    with LLM(model="smollm2-135m", kv_dtype="bf16") as bf16, LLM(model="smollm2-135m", kv_dtype="fp8") as fp8:
+        yield {"bf16": bf16, "fp8": fp8}
 
 
 @pytest.fixture(scope="module")
 def native_engine():
-    return LLM(model="smollm2-135m", weights="native")
+    with LLM(model="smollm2-135m", weights="native") as llm:
+        yield llm
 
 
 def test_fp8_kv_perplexity_close_to_bf16(kv_engines):

@@ -35,7 +35,7 @@ def served(tmp_path_factory):
     chat_reference = llm.generate([chat_prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
     trace = tmp_path_factory.mktemp("server") / "steps.jsonl"
     app = build_app(llm, ServerConfig(MODEL, step_trace=str(trace)))
-    with serve_in_thread(app) as url:
+    with llm, serve_in_thread(app) as url:
         yield {"url": url, "llm": llm, "engine": app.state.engine, "reference": reference,
                "chat_reference": chat_reference, "trace": trace}
 

@@ -27,9 +27,9 @@ def guarded():
     from engine.server.app import ServerConfig, build_app
     from engine.server.launch import serve_in_thread
 
-    llm = LLM(model=MODEL, weights="fp32", device="cpu", kv_cache_gib=0.05, max_model_len=MAX_MODEL_LEN)
     config = ServerConfig(MODEL, api_key=KEY, metrics_api_key=METRICS_KEY, max_body_bytes=MAX_BODY)
-    with serve_in_thread(build_app(llm, config)) as url:
+    with LLM(model=MODEL, weights="fp32", device="cpu", kv_cache_gib=0.05, max_model_len=MAX_MODEL_LEN) as llm, \
+            serve_in_thread(build_app(llm, config)) as url:
         yield {"url": url, "llm": llm}
 
 

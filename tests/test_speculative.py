@@ -158,9 +158,9 @@ def test_the_server_counts_drafts_like_vllm(tmp_path):
     from engine.server.app import ServerConfig, build_app
     from engine.server.launch import serve_in_thread
 
-    llm = LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", kv_cache_gib=0.05)
     trace = tmp_path / "steps.jsonl"
-    with serve_in_thread(build_app(llm, ServerConfig("smollm2-135m", step_trace=str(trace)))) as url:
+    with LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", kv_cache_gib=0.05) as llm, \
+            serve_in_thread(build_app(llm, ServerConfig("smollm2-135m", step_trace=str(trace)))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client.completions.create(model="smollm2-135m", prompt=f"Repeat exactly: {TEXT * 3}\nRepeat:", max_tokens=24,
                                   temperature=0, extra_body={"ignore_eos": True})

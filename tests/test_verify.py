@@ -13,7 +13,7 @@ from verify_checks import PROFILE, SLOWDOWN_BOUND_PCT, STEAL_BOUND_PCT, assert_g
 from planner.verification.comparison import PROBES_AGREE_PCT
 
 
-@pytest.mark.quiet_machine
+@pytest.mark.timed
 def test_verification_of_independent_requests(tmp_path, capsys):
     """30 Poisson requests at 4/s: capacity and, replaying the engine's step times, batches and preemptions exact;
     output tokens/s and TPOT p50 within issue 8's 15%; the report and figure written."""
@@ -42,7 +42,7 @@ def test_verification_of_independent_requests(tmp_path, capsys):
     assert "plotly" in (tmp_path / "figure.html").read_text()
 
 
-@pytest.mark.quiet_machine
+@pytest.mark.timed
 def test_verification_of_conversations(capsys):
     """Issue 32's verification: conversations of four turns opening with a shared system prompt. The engine and
     the simulator run the same block manager, so every request finds as many tokens cached in both; output tokens/s

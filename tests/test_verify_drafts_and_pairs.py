@@ -7,7 +7,7 @@ import json
 import pytest
 from verify_checks import PROFILE, assert_gated, errors, planner_json
 
-pytestmark = pytest.mark.quiet_machine
+pytestmark = pytest.mark.timed
 
 
 def test_speculative_verification(tmp_path, capsys):

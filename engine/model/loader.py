@@ -187,6 +187,8 @@ def _gguf_tensors(reader: Any, config: ModelSpec, native: bool) -> Iterator[tupl
             prefix, layer, rest = name.split(".", 2)
             if prefix != "blk" or rest not in _GGUF_LAYER_NAMES:
                 raise LoaderError(f"unexpected tensor {name!r} in GGUF file")
+            if int(layer) >= config.num_layers:         # cut off by --num-layers: not even dequantized
+                continue
             hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
         if native and tensor.tensor_type.name == "Q4_1":
             yield hf_name, _native_int4(tensor, _rope_heads(hf_name, config))
@@ -320,14 +322,17 @@ def _decoder_name(hf_name: str, wrapped: bool) -> str | None:
 
 
 def _fill_from_hf_tensors(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor | Int4Weight]]) -> None:
-    """Copies Hugging Face-named tensors into the engine's parameters; every parameter must be covered."""
-    items = list(tensors)
-    _install_int4(model, {n: t for n, t in items if isinstance(t, Int4Weight)})
+    """Copies Hugging Face-named tensors into the engine's parameters as they come, so that loading holds one
+    checkpoint tensor beside the model, not the whole checkpoint (SmolLM2 in fp32 peaked at 1.7 GB for 0.54 GB of
+    weights when every tensor was read first); INT4 pieces are gathered and installed at the end. Every parameter
+    must be covered."""
     params = dict(model.named_parameters())
     wrapped = isinstance(model.config.config.get("text_config"), dict)
     filled: dict[str, int] = {}
-    for hf_name, tensor in items:
+    int4_pieces: dict[str, Int4Weight] = {}
+    for hf_name, tensor in tensors:
         if isinstance(tensor, Int4Weight):
+            int4_pieces[hf_name] = tensor
             continue
         name = _decoder_name(hf_name, wrapped)
         destination = None if name is None else _destination(model, name)
@@ -340,6 +345,8 @@ def _fill_from_hf_tensors(model: nn.Module, tensors: Iterator[tuple[str, torch.T
         part = param.data[index]
         _copy_checked(part, tensor[source], hf_name)
         filled[name] = filled.get(name, 0) + part.numel()
+    _install_int4(model, int4_pieces)
+    params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
     if missing:
         raise LoaderError(f"checkpoint lacks {len(missing)} tensors, first {missing[0]!r}")
