@@ -305,6 +305,15 @@ def component_weight_bytes(spec: ModelSpec, scheme: dict[str, WeightFormat], flo
     return result
 
 
+def check_scheme_fits(spec: ModelSpec, scheme: dict[str, WeightFormat]) -> None:
+    """ConfigError where a component's format cannot hold one of its linears (an INT4 group size that does not
+    divide its input dimension): the loader asks before it reads a weight, not after seconds of reading them."""
+    parts = spec.components()
+    for name, fmt in scheme.items():
+        for linear in parts[name].linears if name in parts else ():
+            fmt.check_shape(linear.out_features, linear.in_features)
+
+
 def decoder_linear_bytes(spec: ModelSpec, scheme: dict[str, WeightFormat], float_dtype: str) -> int:
     """The decoder layers' matmul weights alone (no norms, routers, embeddings or head), each component's
     in its format: what quantization changes."""

@@ -20,7 +20,14 @@ from torch import nn
 from engine.core.config import EngineConfig
 from engine.core.errors import ConfigError, EngineError, LoaderError
 from engine.core.files import read_json_object
-from engine.core.memory import WeightFormat, component_weight_bytes, decoder_linear_bytes, native_scheme, weight_scheme
+from engine.core.memory import (
+    WeightFormat,
+    check_scheme_fits,
+    component_weight_bytes,
+    decoder_linear_bytes,
+    native_scheme,
+    weight_scheme,
+)
 from engine.core.spec import DECODER_COMPONENTS, ModelSpec, spec_from_config
 from engine.model.architectures import model_class
 from engine.model.dtypes import TORCH_DTYPES
@@ -399,6 +406,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     source = resolve(name)
     config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
     scheme = loaded_weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
+    check_scheme_fits(config, scheme)
     model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
                                    {} if group.size > 1 else scheme)
     if group.size > 1:
