@@ -12,7 +12,6 @@ from conftest import REPO
 from verify_checks import assert_gated
 
 KV_GIB = "0.25"
-pytestmark = pytest.mark.timed       # calibrates on the server's step times, then gates their prediction
 
 
 def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -42,6 +41,7 @@ def calibrated(endpoint, tmp_path_factory) -> tuple[dict, Path]:
     return json.loads(fitted.stdout), calibration
 
 
+@pytest.mark.timed          # calibrates on the server's step times, then gates their prediction
 def test_calibrate_then_verify_against_the_live_server(endpoint, calibrated):
     report, calibration = calibrated
     assert all(report[key] <= 15 for key in ("mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct"))
@@ -66,6 +66,7 @@ def test_calibrate_then_verify_against_the_live_server(endpoint, calibrated):
     assert residuals["rows"] == [1, 2, 3, 4, 6, 8] and len(residuals["seconds"]) == 6
 
 
+@pytest.mark.timed          # shares the calibration of the test above
 def test_endpoint_calibration_prices_a_plan(calibrated):
     """A calibration made from the outside serves `planner plan` like one made from a profile (the module's one:
     a second, smaller calibration here cost 34 s and proved nothing more)."""
