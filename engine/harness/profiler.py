@@ -107,6 +107,29 @@ def split_prompts(tokens: int, prompts: int) -> list[int]:
     return [tokens // prompts + (index < tokens % prompts) for index in range(prompts)]
 
 
+def steps_per_point(plan: SweepPlan) -> int:
+    """The most steps a point's sequences run: warm-up, every timing a pass may take, and one more."""
+    return plan.warmup + max(plan.repeats, MAX_TIMINGS_PER_PASS) + 1
+
+
+def pages_to_remeasure(kind: str, point: tuple[int, ...], page_size: int, plan: SweepPlan, drafts: int = 0) -> int:
+    """The KV pages a step of `kind` at sweep `point` (`Profiler.point_of`) holds at most while it is timed: what a
+    pool must have to time it, and what an engine built only to time such points needs."""
+    def prompt_pages(tokens: int, prompts: int = 1) -> int:
+        return sum(pages_for_tokens(n + 1, page_size) for n in split_prompts(tokens, prompts))
+
+    if kind == "prefill":
+        return prompt_pages(*point)
+    if kind == "decode":
+        batch, context = point
+        return batch * pages_for_tokens(context + steps_per_point(plan), page_size)
+    if kind == "verify":
+        batch, context = point
+        return batch * pages_for_tokens(context + steps_per_point(plan) * (drafts + 1), page_size)
+    batch, context, *prefill = point
+    return batch * pages_for_tokens(context + 2, page_size) + prompt_pages(*prefill)
+
+
 class RepeatDrafts:
     """Drafts for the verification points: a sequence's last K tokens again. What a verification costs does not
     hang on which tokens it checks or on how many stand, and forced drafts make every step of a point verify."""
@@ -212,32 +235,30 @@ class Profiler:
         return {"kind": kind, "batch": batch, "times_s": [round(t, 6) for t in times],
                 "median_s": round(median, 6), "bytes_moved": moved, "achieved_gb_s": round(moved / median / 1e9, 3)}
 
-    def _prompts_fit(self, tokens: int, prompts: int, pages_taken: int = 0) -> bool:
-        """`prompts` prompts of `tokens` in all, prefilled in one step beside `pages_taken` pages of decodes."""
-        page = self.llm.config.page_size
-        parts = split_prompts(tokens, prompts)
-        return (max(parts) < self.llm.max_model_len and tokens <= self.llm.config.max_num_batched_tokens
-                and (pages_taken + sum(pages_for_tokens(n + 1, page) for n in parts)) * page
-                <= self.llm.capacity_tokens)
+    def _pages_fit(self, kind: str, *point: int) -> bool:
+        pages = pages_to_remeasure(kind, point, self.llm.config.page_size, self.plan, self._drafts())
+        return pages * self.llm.config.page_size <= self.llm.capacity_tokens
+
+    def _prompts_fit(self, tokens: int, prompts: int) -> bool:
+        """`prompts` prompts of `tokens` in all, prefilled in one step."""
+        return (max(split_prompts(tokens, prompts)) < self.llm.max_model_len
+                and tokens <= self.llm.config.max_num_batched_tokens)
 
     def _prefill_fits(self, tokens: int, prompts: int = 1) -> bool:
-        return prompts <= self.llm.config.max_num_seqs and self._prompts_fit(tokens, prompts)
+        return (prompts <= self.llm.config.max_num_seqs and self._prompts_fit(tokens, prompts)
+                and self._pages_fit("prefill", tokens, prompts))
 
     def _decode_fits(self, batch: int, context: int) -> bool:
-        steps = self.plan.warmup + max(self.plan.repeats, MAX_TIMINGS_PER_PASS) + 1
-        capacity = self.llm.capacity_tokens
-        page = self.llm.config.page_size
-        return (context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
-                and batch * pages_for_tokens(context + steps, page) * page <= capacity
-                and batch * context <= (self.plan.max_kv_tokens or capacity))
+        return (context + steps_per_point(self.plan) < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
+                and self._pages_fit("decode", batch, context)
+                and batch * context <= (self.plan.max_kv_tokens or self.llm.capacity_tokens))
 
     def _mixed_fits(self, batch: int, context: int, prefill: int, prompts: int = 1) -> bool:
-        page = self.llm.config.page_size
         return (context + 2 < self.llm.max_model_len
                 and batch * context + prefill <= (self.plan.max_kv_tokens or self.llm.capacity_tokens)
                 and batch + prompts <= self.llm.config.max_num_seqs
                 and batch + prefill <= self.llm.config.max_num_batched_tokens
-                and self._prompts_fit(prefill, prompts, batch * pages_for_tokens(context + 2, page)))
+                and self._prompts_fit(prefill, prompts) and self._pages_fit("mixed", batch, context, prefill, prompts))
 
     def _drafts(self) -> int:
         """K of the engine's prompt-lookup speculation; 0 without it (MTP's drafts are the model's own)."""
@@ -246,11 +267,10 @@ class Profiler:
 
     def _verify_fits(self, batch: int, context: int) -> bool:
         drafts = self._drafts()
-        steps = (self.plan.warmup + max(self.plan.repeats, MAX_TIMINGS_PER_PASS) + 1) * (drafts + 1)
-        page = self.llm.config.page_size
+        steps = steps_per_point(self.plan) * (drafts + 1)
         return (drafts > 0 and context + steps < self.llm.max_model_len and batch <= self.llm.config.max_num_seqs
                 and batch * (drafts + 1) <= self.llm.config.max_num_batched_tokens
-                and batch * pages_for_tokens(context + steps, page) * page <= self.llm.capacity_tokens
+                and self._pages_fit("verify", batch, context)
                 and batch * context <= (self.plan.max_kv_tokens or self.llm.capacity_tokens))
 
     def prefill_points(self) -> list[int]:

@@ -314,18 +314,28 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
 
 def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str, int], cleanup: ExitStack) -> DriftProbes:
     """A second engine configured as the profiled one (closed with `cleanup`), to time the profile's own steps again
-    between the served steps."""
-    from engine.harness.profiler import Profiler, SweepPlan
+    between the served steps. Its pool is twice what the largest probe holds, not the profiled one: the profiler
+    tiles real K/V over its whole pool, and a profile's 1 GiB pool made every verification 1 GiB bigger."""
+    from engine.harness.profiler import Profiler, SweepPlan, pages_to_remeasure
 
     fingerprint = profile["fingerprint"]
-    reference_settings = dict(num_pages=profile["memory"]["kv_capacity_tokens"] // fingerprint["page_size"], **engine)
+    page = fingerprint["page_size"]
+    plan = SweepPlan(warmup=1, repeats=1)
+    profiled_pages = profile["memory"]["kv_capacity_tokens"] // page
+
+    def pages(sample: dict[str, Any]) -> int:
+        return pages_to_remeasure(sample["kind"], Profiler.point_of(sample), page, plan)
+
+    chosen = probe_samples(profile, lambda sample: pages(sample) <= profiled_pages)
+    num_pages = min(profiled_pages, 2 * max((pages(sample) for sample in chosen), default=profiled_pages))
+    reference_settings = dict(num_pages=num_pages, **engine)
     if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
         profiler = cleanup.enter_context(ProbeEngine(fingerprint, kv_cache_gib, **reference_settings))
     else:
         reference = engine_of(fingerprint, kv_cache_gib, **reference_settings)
         cleanup.callback(reference.close)
-        profiler = Profiler(reference, SweepPlan(warmup=1, repeats=1))
-    return DriftProbes(profiler, probe_samples(profile, profiler))
+        profiler = Profiler(reference, plan)
+    return DriftProbes(profiler, [sample for sample in chosen if profiler.can_remeasure(sample)])
 
 
 def engine_requests(specs: list[RequestSpec], llm: LLM,
@@ -423,12 +433,12 @@ def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
             **{k: v for k, v in fitted.items() if k.startswith(("mape", "holdout")) or k == "parameters"}}
 
 
-def probe_samples(profile: dict[str, Any], profiler: Profiler) -> list[dict[str, Any]]:
+def probe_samples(profile: dict[str, Any], runnable: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
     """Profile steps to time again: the median prefill, the quickest mixed step, and decodes at the smallest,
     middle and largest batch (the drift is not one factor: on a shared 2-core VM the batched steps, which
     use both cores, slowed by 1.4-1.7x over a day while single-sequence ones moved 0-20%)."""
-    runnable = [s for s in profile["samples"] if profiler.can_remeasure(s)]
-    by_kind = {kind: sorted((s for s in runnable if s["kind"] == kind), key=lambda s: s["median_s"]) for kind in REGIMES}
+    candidates = [s for s in profile["samples"] if s["kind"] in REGIMES and runnable(s)]
+    by_kind = {kind: sorted((s for s in candidates if s["kind"] == kind), key=lambda s: s["median_s"]) for kind in REGIMES}
     chosen = []
     if by_kind["prefill"]:
         chosen.append(by_kind["prefill"][(len(by_kind["prefill"]) - 1) // 2])
