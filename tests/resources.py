@@ -77,7 +77,9 @@ class ModuleResources:
     rss_after_mib: float = 0.0
     tree_rss_after_mib: float = 0.0
     peak_rss_mib: float = 0.0           # this process's peak so far, at the module's end
-    children_peak_rss_mib: float = 0.0  # the largest waited-for child process so far
+    # the largest waited-for child process so far; Linux counts a forked child's pages as of the fork, before its
+    # exec, so a child that ran little shows the parent's RSS at the time (seen: `true` after 500 MB: 525 MiB)
+    children_peak_rss_mib: float = 0.0
 
 
 @dataclass
