@@ -37,14 +37,13 @@ lint: $(STAMP)
 
 # Two workers, one a core, a test module each at a time (its module fixtures built once), the longest modules first
 # (tests/conftest.py LONGEST_FIRST; xdist would reorder them by test count); then the tests that time this machine
-# against a profile or a calibration (marked timed), two modules side by side (tests/conftest.py TIMED_ORDER):
-# each a core, its engines on one thread, never beside the rest's bursts of processes.
+# against a profile or a calibration (marked timed), one at a time: two side by side (each a core, one-thread
+# engines) failed the speculative verification's 15% gate once in six runs (16.5%), so they run alone.
 # Each phase ends with a table of time and memory per module (tests/resources.py), also written as JSON.
 test: $(STAMP) browser lint
 	KVPLAN_TEST_RESOURCES=.pytest-resources.json $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not timed" tests
-	KVPLAN_TEST_RESOURCES=.pytest-resources-timed.json $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
-		-m timed tests
+	KVPLAN_TEST_RESOURCES=.pytest-resources-timed.json $(PY) -m pytest -q -m timed tests
 
 run: $(STAMP)
 	@echo "kvplan dashboard: http://localhost:$(PORT)  (Kimi K2.6 on 8 x H200, native INT4 weights, FP8 KV)"

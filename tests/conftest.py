@@ -21,11 +21,6 @@ torch.set_num_threads(THREADS)
 # ones start at once and the short ones fill in behind them instead of one long module starting last
 LONGEST_FIRST = ("test_parallel.py", "test_integrity.py", "test_quant_engine.py", "test_llm.py", "test_speculative.py",
                  "test_soak.py", "test_disaggregation.py", "test_deepseek.py", "test_server_guards.py", "test_cli.py")
-# The timed tests run after the rest, two modules at a time, in this order: xdist hands each worker one module and,
-# since each holds two tests or fewer, a second at once (its heuristic: a worker with at most two tests pending gets
-# more), so test_verify runs beside test_verify_drafts_and_pairs, then test_endpoint beside test_profiler's.
-# Seconds in a two-worker run of the 2-core VM, 2026-12-04: 159 + 102 against 178 + 18 (one after another: 407)
-TIMED_ORDER = ("test_verify.py", "test_verify_drafts_and_pairs.py", "test_endpoint.py", "test_profiler.py")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")     # Triton kernels run on CPU through the interpreter
 
@@ -102,15 +97,10 @@ def run_cli(*args: str, timeout: float = 300):
 
 
 def pytest_collection_modifyitems(config, items):
-    order = LONGEST_FIRST + TIMED_ORDER
-
     def rank(item) -> int:
         name = Path(str(item.fspath)).name
-        return order.index(name) if name in order else len(order)
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    for item in items:
-        if item.get_closest_marker("timed") is not None and Path(str(item.fspath)).name not in TIMED_ORDER:
-            raise pytest.UsageError(f"{item.nodeid} is marked timed: give its module a place in TIMED_ORDER")
     items.sort(key=rank)        # stable: the order within a module, and among the rest, is kept
 
 

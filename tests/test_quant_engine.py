@@ -17,14 +17,15 @@ CHATS = ["What is the capital of France?", "Name three primary colours.",
          "How many legs does a spider have?", "Write a haiku about the sea."]
 
 
+@pytest.fixture(scope="class")
+def kv_engines():
+    with LLM(model="smollm2-135m", kv_dtype="bf16") as bf16, LLM(model="smollm2-135m", kv_dtype="fp8") as fp8:
+        yield {"bf16": bf16, "fp8": fp8}
+
+
 class TestFP8KVCache:
     """Against BF16 pages. The two engines live for this class only: the module's later tests build the native
     engine, and four SmolLM2 engines at once (these two, the native one, the session's) took a worker to 3.9 GB."""
-
-    @pytest.fixture(scope="class")
-    def kv_engines(self):
-        with LLM(model="smollm2-135m", kv_dtype="bf16") as bf16, LLM(model="smollm2-135m", kv_dtype="fp8") as fp8:
-            yield {"bf16": bf16, "fp8": fp8}
 
     def test_fp8_kv_perplexity_close_to_bf16(self, kv_engines):
         bf16 = perplexity(kv_engines["bf16"], windows=WINDOWS).perplexity
