@@ -294,7 +294,7 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
     with ExitStack() as cleanup:
         cleanup.callback(llm.close)
         requests, specs = engine_requests(specs, llm, repeating=speculative is not None)
-        probes = drift_probes(profile, kv_cache_gib, engine, cleanup)
+        probes = drift_probes(profile, kv_cache_gib, engine, cleanup, [spec.prompt_tokens for spec in specs])
         warm_up(llm, max(spec.prompt_tokens for spec in specs))
         cpu_before = cpu_ticks()
         served = serve_requests(llm, requests, clock="virtual", between_steps=probes)
@@ -312,9 +312,10 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
                        None if stats is None else stats.summary(), outcomes)
 
 
-def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str, int], cleanup: ExitStack) -> DriftProbes:
+def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str, int], cleanup: ExitStack,
+                 prompt_tokens: list[int], every: int = PROBE_EVERY_STEPS) -> DriftProbes:
     """A second engine configured as the profiled one (closed with `cleanup`), to time the profile's own steps again
-    between the served steps. Its pool is twice what the largest probe holds, not the profiled one: the profiler
+    between the served steps, its prefill probe the one most like the workload's `prompt_tokens`. Its pool is twice what the largest probe holds, not the profiled one: the profiler
     tiles real K/V over its whole pool, and a profile's 1 GiB pool made every verification 1 GiB bigger."""
     from engine.harness.profiler import Profiler, SweepPlan, pages_to_remeasure
 
@@ -326,7 +327,7 @@ def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str,
     def pages(sample: dict[str, Any]) -> int:
         return pages_to_remeasure(sample["kind"], Profiler.point_of(sample), page, plan)
 
-    chosen = probe_samples(profile, lambda sample: pages(sample) <= profiled_pages)
+    chosen = probe_samples(profile, lambda sample: pages(sample) <= profiled_pages, float(np.median(prompt_tokens)))
     num_pages = min(profiled_pages, 2 * max((pages(sample) for sample in chosen), default=profiled_pages))
     reference_settings = dict(num_pages=num_pages, **engine)
     if fingerprint.get("tensor_parallel", 1) > 1:      # one tensor-parallel group per process
@@ -335,7 +336,7 @@ def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str,
         reference = engine_of(fingerprint, kv_cache_gib, **reference_settings)
         cleanup.callback(reference.close)
         profiler = Profiler(reference, plan)
-    return DriftProbes(profiler, [sample for sample in chosen if profiler.can_remeasure(sample)])
+    return DriftProbes(profiler, [sample for sample in chosen if profiler.can_remeasure(sample)], every)
 
 
 def engine_requests(specs: list[RequestSpec], llm: LLM,
@@ -433,15 +434,19 @@ def _fit_summary(document: dict[str, Any]) -> dict[str, Any]:
             **{k: v for k, v in fitted.items() if k.startswith(("mape", "holdout")) or k == "parameters"}}
 
 
-def probe_samples(profile: dict[str, Any], runnable: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
-    """Profile steps to time again: the median prefill, the quickest mixed step, and decodes at the smallest,
-    middle and largest batch (the drift is not one factor: on a shared 2-core VM the batched steps, which
-    use both cores, slowed by 1.4-1.7x over a day while single-sequence ones moved 0-20%)."""
+def probe_samples(profile: dict[str, Any], runnable: Callable[[dict[str, Any]], bool],
+                  prompt_tokens: float) -> list[dict[str, Any]]:
+    """Profile steps to time again: the prefill nearest the workload's median prompt (`prompt_tokens`), the quickest
+    mixed step, and decodes at the smallest, middle and largest batch (the drift is not one factor: on a shared
+    2-core VM the batched steps, which use both cores, slowed by 1.4-1.7x over a day while single-sequence ones moved
+    0-20%). The prefill most like the served ones, not the profile's median: that was two prompts of 256 tokens,
+    1.5 s a timing, beside prompts of 32-256 tokens, and its timings were a third of a verification's time."""
     candidates = [s for s in profile["samples"] if s["kind"] in REGIMES and runnable(s)]
     by_kind = {kind: sorted((s for s in candidates if s["kind"] == kind), key=lambda s: s["median_s"]) for kind in REGIMES}
     chosen = []
     if by_kind["prefill"]:
-        chosen.append(by_kind["prefill"][(len(by_kind["prefill"]) - 1) // 2])
+        chosen.append(min(by_kind["prefill"], key=lambda s: (abs(np.log(s["batch"]["prefill_tokens"] / prompt_tokens)),
+                                                             s["batch"]["num_prefills"])))
     if by_kind["mixed"]:
         chosen.append(by_kind["mixed"][0])
     batches = sorted({s["batch"]["num_decodes"] for s in by_kind["decode"]})
