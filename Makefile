@@ -37,8 +37,9 @@ lint: $(STAMP)
 
 # Two workers, one a core, a test module each at a time (its module fixtures built once), the longest modules first
 # (tests/conftest.py LONGEST_FIRST; xdist would reorder them by test count); then the tests that time this machine
-# against a profile or a calibration (marked timed), one at a time: two side by side (each a core, one-thread
-# engines) failed the speculative verification's 15% gate once in six runs (16.5%), so they run alone.
+# against a profile or a calibration (marked timed), one at a time: two modules side by side (each a core, one-thread
+# engines) failed the speculative verification's 15% gate once in six runs (16.5%), and the disaggregated one's 20%
+# in two of three (TPOT p50 +21.1%, TTFT p50 +26.5%; alone +0.3-11%), so they run alone.
 # Each phase ends with a table of time and memory per module (tests/resources.py), also written as JSON.
 test: $(STAMP) browser lint
 	KVPLAN_TEST_RESOURCES=.pytest-resources.json $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \

@@ -1,5 +1,6 @@
 """A real browser opens the dashboard: headless Chromium, driven over the DevTools protocol, waits for the
-Plan page's chart and screenshots it (kept under bench/results/); the image must not be blank and must
+Plan page's chart and screenshots it into the test's own folder (bench/results/dashboard_plan.png, the docs'
+picture, is one taken so: a test run rewrote the committed file every time); the image must not be blank and must
 show the memory chart. `make test` installs Debian's chromium."""
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from conftest import REPO
 
 from engine.parallel.group import free_port
 
-SCREENSHOT = REPO / "bench" / "results" / "dashboard_plan.png"
 WEIGHTS_BLUE = (0x4C, 0x78, 0xA8)         # planner.ui.plots.MEMORY_COLORS["weights"]
 CHART_SCRIPT = "document.querySelectorAll('.js-plotly-plot .bars path').length"
 
@@ -74,7 +74,7 @@ def screenshot_when_charted(debug_port: int, page_url: str, seconds: float) -> t
     return asyncio.run(asyncio.wait_for(drive(), seconds + 60))
 
 
-def test_headless_browser_screenshot_of_the_plan_page():
+def test_headless_browser_screenshot_of_the_plan_page(tmp_path):
     from PIL import Image
 
     port, debug_port = free_port(), free_port()
@@ -93,10 +93,10 @@ def test_headless_browser_screenshot_of_the_plan_page():
             if process is not None:
                 process.terminate()
                 process.wait(timeout=30)
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    SCREENSHOT.write_bytes(png)
+    screenshot = tmp_path / "dashboard_plan.png"
+    screenshot.write_bytes(png)
     assert bars > 0, "the memory chart never appeared"
-    image = Image.open(SCREENSHOT).convert("RGB")
+    image = Image.open(screenshot).convert("RGB")
     colors = image.getcolors(maxcolors=1 << 20)
     assert len(colors) > 50, "the screenshot is blank"
     blue = sum(count for count, rgb in colors if all(abs(c - w) <= 12 for c, w in zip(rgb, WEIGHTS_BLUE)))

@@ -28,7 +28,6 @@ from planner.simulation.workload import Workload
 from planner.verification.comparison import TIMING_METRICS, compared, gate, workload_dict
 from planner.verification.engine_run import engine_of, warm_up
 from planner.verification.verify import (
-    PROBE_EVERY_STEPS,
     AtServedSpeed,
     DriftProbes,
     cpu_ticks,
@@ -114,11 +113,7 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
         decode = engine_of(fingerprint, decode_kv_cache_gib or kv_cache_gib, **limits)
         cleanup.callback(decode.close)
         requests, specs = engine_requests(specs, prefill)
-        # a pair's steps are short (the decode engine's: a few sequences, ~0.1 s, against ~0.4 s for one engine's mixed
-        # steps): one probe every 6 of them times the machine as often per served second as one every 3 of a single
-        # engine's (30 requests, 2026-12-05: 206 steps, each probe 7 times instead of 14, and 21 s of 100 s saved)
-        probes = drift_probes(profile, kv_cache_gib, limits, cleanup, [spec.prompt_tokens for spec in specs],
-                              every=2 * PROBE_EVERY_STEPS)
+        probes = drift_probes(profile, kv_cache_gib, limits, cleanup, [spec.prompt_tokens for spec in specs])
         probed = probe_handoffs(prefill, decode)        # before the warm-up publishes pages the probe would overwrite
         longest = max(spec.prompt_tokens for spec in specs)
         warm_up(prefill, longest)
