@@ -107,3 +107,32 @@ def test_a_gguf_cut_to_two_layers_holds_the_full_models_first_two(weights):
     cut = load_model("smollm2-135m", "fp32", "cpu", engine=replace(engine, num_layers=2)).model.state_dict()
     assert any(name.startswith("layers.1.") for name in cut) and not any(name.startswith("layers.2.") for name in cut)
     assert all(torch.equal(tensor, full[name]) for name, tensor in cut.items())
+
+
+def _resident_kib_of_mapping(path) -> int:
+    """This process's resident KiB of the mappings of `path` (Linux /proc/self/smaps)."""
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:      # a mapping's first line: range perms offset dev inode
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                resident += int(head[1])
+    return resident
+
+
+@pytest.mark.parametrize("weights", ["fp32", "native"])
+def test_a_loaded_gguf_leaves_neither_its_pages_nor_its_parsed_vocabulary_behind(smollm_path, weights):
+    """The model holds its own copy of every weight: the file's pages that reading it touched go back to the page
+    cache (SmolLM2's 94 MB stayed resident in every process that loaded it), and of the parsed metadata only the
+    values stay (the reader's per-token arrays were 95 MB)."""
+    from engine.model.loader import _read_gguf
+
+    model = load_model("smollm2-135m", "fp32", "cpu", engine=EngineConfig(model="smollm2-135m", weights=weights)).model
+    reader, fields = _read_gguf(smollm_path)
+    assert _resident_kib_of_mapping(smollm_path.resolve()) < 1024
+    assert not reader.fields and len(fields["tokenizer.ggml.tokens"]) == 49152
+    assert reader.tensors[0].data.reshape(-1)[:4096].any()          # still readable: pages fault back in from the cache
+    assert 0 < _resident_kib_of_mapping(smollm_path.resolve()) < 1024 + 4 * 1024
+    assert sum(p.numel() for p in model.parameters()) > 0
