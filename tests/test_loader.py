@@ -136,3 +136,24 @@ def test_a_loaded_gguf_leaves_neither_its_pages_nor_its_parsed_vocabulary_behind
     assert reader.tensors[0].data.reshape(-1)[:4096].any()          # still readable: pages fault back in from the cache
     assert 0 < _resident_kib_of_mapping(smollm_path.resolve()) < 1024 + 4 * 1024
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_engines_of_one_gguf_share_its_weights_until_the_last_closes():
+    """Two engines of the same file and weights hold one copy of them (a verification runs a served and a probe
+    engine: each held 540 MB of SmolLM2), each with its own KV pool, and decode alike interleaved; other weights
+    are another copy; the copy goes with the last engine that uses it."""
+    import gc
+    import weakref
+
+    settings = dict(model="smollm2-135m", num_layers=2, kv_cache_gib=0.02)
+    prompt, greedy = [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(weights="fp32", **settings) as first, LLM(weights="fp32", **settings) as second, \
+            LLM(weights="native", **settings) as native:
+        assert first.model is second.model and first.kv_cache is not second.kv_cache
+        assert native.model is not first.model
+        assert first.generate([prompt], greedy)[0].token_ids == second.generate([prompt], greedy)[0].token_ids
+        weights = weakref.ref(first.model)
+        first.close()
+        assert weights() is second.model
+    gc.collect()
+    assert weights() is None

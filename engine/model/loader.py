@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import mmap
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,6 +411,14 @@ def _random_model(config: ModelSpec, dtype: torch.dtype, device: torch.device, s
     return model
 
 
+# Models read from a GGUF, by file and what was made of it: the engines of one process that serve the same weights
+# share them (a verification runs a served engine and a probe engine, a disaggregated one three: each held its own
+# 540 MB of SmolLM2 in fp32). Weakly: the weights go when the last engine using them closes. The modules hold no
+# state of an engine's (its KV pool, integrity and buffers are its own); not under tensor parallelism (a rank's
+# shard and its group) nor with an MTP module (it keeps the last hidden states).
+_LOADED: dict[tuple, tuple[weakref.ref, Tokenizer | None]] = {}
+
+
 def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu", seed: int = 0,
                engine: EngineConfig | None = None, group: TensorGroup = SINGLE) -> LoadedModel:
     """Loads in compute dtype `dtype`, the linear layers in the engine configuration's weights (quantized at
@@ -421,13 +430,23 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     config = read_model_config(source).truncated(engine.num_layers, engine.num_experts)
     scheme = loaded_weight_scheme(source, config, engine, scale_dtype="bf16" if dtype == "bf16" else "fp16")
     check_scheme_fits(config, scheme)
+    speculative = engine.speculative_config
+    shareable = source.kind == "gguf" and group.size == 1 and (speculative is None or speculative.method != "mtp")
+    key = (str(source.path.resolve()), source.path.stat().st_mtime_ns, config.num_layers, dtype, str(device),
+           engine.weights, repr(sorted(scheme.items()))) if shareable else None
+    alive, tokenizer = _LOADED.get(key, (lambda: None, None))
+    if (model := alive()) is not None:
+        return LoadedModel(model, config, tokenizer, source)
     model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
                                    {} if group.size > 1 else scheme)
+    if key is not None:
+        for stale in [k for k, (alive, _) in _LOADED.items() if alive() is None]:
+            del _LOADED[stale]
+        _LOADED[key] = (weakref.ref(model), tokenizer)
     if group.size > 1:
         model = shard_model(model, group.size, group.rank, engine.expert_parallel)
         model.use_group(group)
         quantize_model(model, scheme)
-    speculative = engine.speculative_config
     if speculative is not None and speculative.method == "mtp":
         _attach_random_mtp(model, source, config, seed, scheme)
     return LoadedModel(model.eval(), config, tokenizer, source)
