@@ -440,7 +440,7 @@ def load_model(name: str, dtype: str = "fp32", device: str | torch.device = "cpu
     model, tokenizer = _read_model(source, config, TORCH_DTYPES[dtype], torch.device(device), seed, engine,
                                    {} if group.size > 1 else scheme)
     if key is not None:
-        for stale in [k for k, (alive, _) in _LOADED.items() if alive() is None]:
+        for stale in [known for known, (weights, _) in _LOADED.items() if weights() is None]:
             del _LOADED[stale]
         _LOADED[key] = (weakref.ref(model), tokenizer)
     if group.size > 1:

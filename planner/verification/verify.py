@@ -315,8 +315,9 @@ def _serve(profile: dict[str, Any], specs: list, kv_cache_gib: float, engine: di
 def drift_probes(profile: dict[str, Any], kv_cache_gib: float, engine: dict[str, int], cleanup: ExitStack,
                  prompt_tokens: list[int]) -> DriftProbes:
     """A second engine configured as the profiled one (closed with `cleanup`), to time the profile's own steps again
-    between the served steps, its prefill probe the one most like the workload's `prompt_tokens`. Its pool is twice what the largest probe holds, not the profiled one: the profiler
-    tiles real K/V over its whole pool, and a profile's 1 GiB pool made every verification 1 GiB bigger."""
+    between the served steps, its prefill probe the one most like the workload's `prompt_tokens`. Its pool is twice
+    what the largest probe holds, not the profiled one: the profiler tiles real K/V over its whole pool, and a
+    profile's 1 GiB pool made every verification 1 GiB bigger."""
     from engine.harness.profiler import Profiler, SweepPlan, pages_to_remeasure
 
     fingerprint = profile["fingerprint"]
