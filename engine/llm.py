@@ -185,6 +185,11 @@ class LLM:
         return self.scheduler_config.capacity_tokens
 
     @property
+    def usable_tokens(self) -> int:
+        """The pool's token slots less its quarantined pages' (integrity violations take pages out for good)."""
+        return (self.block_manager.num_pages - len(self.block_manager.quarantined)) * self.config.page_size
+
+    @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
@@ -210,9 +215,10 @@ class LLM:
         if total > self.max_model_len:
             raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
                                f"exceeds the model's context of {self.max_model_len} tokens")
-        if total > self.capacity_tokens:
-            raise RequestError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of "
-                               f"{self.capacity_tokens} tokens")
+        if total > self.usable_tokens:
+            quarantined = len(self.block_manager.quarantined)
+            raise RequestError(f"prompt + max_tokens = {total} tokens exceeds the KV pool of {self.usable_tokens} "
+                               f"tokens" + (f" ({quarantined} pages quarantined)" if quarantined else ""))
 
     def new_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
                      cache_salt: str | None = None, hands_off: bool = False) -> Sequence:
@@ -346,9 +352,11 @@ class LLM:
         arrived_done, self._finished_arrivals = [self._finish(seq) for seq in self._finished_arrivals], []
         output = self.scheduler.schedule()
         self.last_output = output
+        stalled = output.is_empty and not output.preempted and self.scheduler.waiting and not self.scheduler.running
+        unservable = [self._abort_unservable(self.scheduler.waiting[0])] if stalled else []
         if self.block_manager.refused_hits:
             self._report_refused_hits()
-        aborted = arrived_done + (self._fill_arrivals(output) if output.arrived else [])
+        aborted = arrived_done + unservable + (self._fill_arrivals(output) if output.arrived else [])
         if self.integrity is not None:
             aborted += self._enforce_integrity(output)
         if output.is_empty:
@@ -363,6 +371,16 @@ class LLM:
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _abort_unservable(self, seq: Sequence) -> RequestOutput:
+        """A schedule that admits nothing with nothing running would repeat forever: the first waiting request no
+        longer fits the pool, which quarantined pages shrank after it was accepted. It ends (abort) so that the others
+        are served."""
+        log.error("request %d needs %d tokens of KV, more than the pool's %d usable (%d pages quarantined): aborted",
+                  seq.seq_id, seq.num_prompt_tokens + seq.params.max_tokens, self.usable_tokens,
+                  len(self.block_manager.quarantined))
+        self.scheduler.abort(seq.seq_id, FinishReason.ABORT)
+        return self._finish(seq)
 
     def _fill_arrivals(self, output: SchedulerOutput) -> list[RequestOutput]:
         """Writes the pages of the hand-offs admitted in this step; one whose bytes fail the checksums taken before

@@ -22,8 +22,8 @@ from engine.model.kv_cache import PagedKVCache
 TRIALS = 2
 
 
-def tiny_pool(mode: str, kv_dtype: str = "fp32", num_pages: int = 8):
-    manager = BlockManager(num_pages, page_size=4)
+def tiny_pool(mode: str, kv_dtype: str = "fp32", num_pages: int = 8, prefix_caching: bool = False):
+    manager = BlockManager(num_pages, page_size=4, enable_prefix_caching=prefix_caching)
     cache = PagedKVCache(KVLayout(2, kv_dtype, num_kv_heads=2, head_dim=8), num_pages, 4, "cpu")
     return manager, cache, IntegrityChecker(mode, manager, cache)
 
@@ -72,6 +72,29 @@ def test_freeing_a_bad_table_releases_true_pages_and_quarantines_the_rest():
     manager.check_invariants()
 
 
+@pytest.mark.parametrize(("fault", "bad_page"), [("foreign_page", 0), ("double_allocation", 2),
+                                               ("use_after_free", 2), ("page_out_of_range", -3)])
+def test_a_corrupt_table_preempted_before_its_check_publishes_nothing(fault, bad_page):
+    """A preemption publishes a table's full pages, then frees it: a victim preempted between its fault and its
+    next check must not publish the bad entry (its true holder then failed its own check, harmed: the soak caught
+    it once in ~10 runs; a cache hit would read another request's page; an out-of-range page would stand for
+    another in the record). The victim is reported once, the bystander passes."""
+    manager, _, checker = tiny_pool("ownership", prefix_caching=True)
+    manager.allocate(1, 8)              # pages 0, 1: the bystander
+    manager.allocate(2, 8)              # pages 2, 3: the victim
+    if fault == "double_allocation":
+        manager.fault_grant(1, 2)       # the victim's page handed to the bystander as well
+    elif fault == "use_after_free":
+        manager.fault_release(2)
+    else:
+        manager.fault_table(2)[0] = bad_page
+    manager.publish(2, [bytes([1]) * 32, bytes([2]) * 32], [b"first", b"second"], 2)
+    manager.free(2)
+    assert manager.published_hashes() == {}
+    assert checker.check([scheduled(1, 8)]) == []
+    assert [(v.seq_id, v.kind, v.page) for v in checker.take_violations()] == [(2, "ownership", bad_page)]
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
 def test_checksum_changes_with_any_single_bit(kv_dtype):
     manager, cache, checker = tiny_pool("full", kv_dtype)
@@ -94,6 +117,31 @@ def test_checksum_changes_with_any_single_bit(kv_dtype):
 def test_bad_integrity_mode_is_rejected():
     with pytest.raises(ConfigError, match="unknown integrity mode 'paranoid'"):
         EngineConfig(integrity="paranoid")
+
+
+def test_a_request_the_quarantine_outgrew_ends_and_the_others_are_served():
+    """Quarantined pages never come back, so a request accepted into a pool of 8 pages can outgrow the 6 left: it
+    preempts itself and waits for pages that cannot come. It ends (abort) instead of stalling the engine, the request
+    beside it keeps its greedy tokens, and a new request of its size is refused, naming the quarantine."""
+    from engine.core.errors import RequestError
+
+    with LLM(model="smollm2-135m", num_layers=2, device="cpu", page_size=8, num_pages=8,
+             integrity="ownership") as llm:
+        small, large = list(range(400, 405)), list(range(500, 520))
+        alone = llm.generate([small], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+        ids = [llm.add_request(small, SamplingParams(max_tokens=4, ignore_eos=True)),
+               llm.add_request(large, SamplingParams(max_tokens=30, ignore_eos=True))]
+        llm.block_manager.quarantine([6, 7])        # as two violations would: 48 usable token slots for 50
+        ended = {}
+        for _ in range(100):
+            ended.update((result.request_id, result) for result in llm.step())
+            if not llm.has_unfinished():
+                break
+        assert not llm.has_unfinished()
+        assert (ended[ids[0]].finish_reason, ended[ids[0]].token_ids) == ("length", alone)
+        assert ended[ids[1]].finish_reason == "abort" and 0 < len(ended[ids[1]].token_ids) < 30
+        with pytest.raises(RequestError, match=r"50 tokens exceeds the KV pool of 48 tokens \(2 pages quarantined\)"):
+            llm.add_request(large, SamplingParams(max_tokens=30))
 
 
 @pytest.fixture(scope="module")

@@ -71,10 +71,12 @@ def test_near_ties_are_judged_token_by_token_at_the_real_threshold(engine):
     assert engine.encode_prompt(soak.prompts[0]) == prompt
     soak.references[False, 0] = reference
     soak.rss = [(0, 1.0), (8, 1.0)]
-    cases = [("ok", reference), ("ok", flipped), ("ok", wrong_row), ("hung_up", flipped[:2]), ("victim", flipped[:2])]
+    cases = [("ok", reference), ("ok", flipped), ("ok", wrong_row), ("hung_up", flipped[:2]), ("victim", flipped[:2]),
+             ("error", flipped[:1])]
     for index, (status, tokens) in enumerate(cases):
         soak.planned[index] = Planned(index, "good", False, 0, len(reference), True)
-        soak.outcomes[index] = Outcome("hung_up" if status == "victim" else status, 200, "", tokens)
+        error = "integrity_error: aborted" if status == "error" else ""
+        soak.outcomes[index] = Outcome("hung_up" if status == "victim" else status, 200, error, tokens)
         if status == "victim":
             soak.victims.add(f"cmpl-{soak.planned[index].request_id}")
     shutdown = {"exit_code": 0, "probe_statuses": [503], "probes_with_retry_after": 1,
@@ -85,4 +87,7 @@ def test_near_ties_are_judged_token_by_token_at_the_real_threshold(engine):
     assert (counts["hung_up"], counts["hung_up_prefix_ok"], counts["victims"], counts["victims_prefix_ok"]) == (
         1, 0, 1, 0)
     assert {"1 requests corrupted", "1 of 3 complete answers differ at near-ties (bound 2%)",
-            "a cut-off stream received tokens that are not its greedy prefix"} <= set(report["failures"])
+            "a cut-off stream received tokens that are not its greedy prefix", "1 requests lost",
+            "1 requests harmed"} <= set(report["failures"])
+    report["seconds"] = {"references": 0.0}
+    assert f"cmpl-{soak.planned[5].request_id}: error 200 integrity_error: aborted" in table(report)   # who, told what

@@ -55,6 +55,10 @@ class PageGuard(Protocol):
     def vet(self, pages: list[int]) -> int:
         """How many of the published pages, from the first, are sound to hand to a new holder."""
 
+    def publishable(self, seq_id: int, page: int, lease: int) -> bool:
+        """Whether the sequence holds the page alone at its lease: only then are its bytes the sequence's own tokens
+        to publish (a corrupted table entry, published, would hand a cache hit someone else's page)."""
+
     def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
         """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
 
@@ -260,17 +264,20 @@ class BlockManager:
 
     def publish(self, seq_id: int, hashes: list[bytes], keys: list[bytes], num_full: int) -> None:
         """Publishes the sequence's pages up to its `num_full`-th, now full of computed tokens, under their hashes;
-        a page whose hash is published already (the same prefix computed twice at once) stays private."""
+        a page whose hash is published already (the same prefix computed twice at once) stays private. With a guard,
+        publishing stops at an entry the guard does not vouch for (a corrupted table: its sequence is aborted)."""
         start = self._num_published[seq_id]
-        table, published, names = self._tables[seq_id], self._published, self._names
+        table, published, names, guard = self._tables[seq_id], self._published, self._names, self.guard
         for index in range(start, min(num_full, len(table))):
             page, page_hash = table[index], hashes[index]
             if page_hash in published or page in names or page in self.quarantined:
                 continue
+            if guard is not None and not guard.publishable(seq_id, page, self._leases[seq_id][index]):
+                break           # the guard reports the entry; pages after it chain on it: no hit could reach them
             published[page_hash] = page
             names[page] = (page_hash, keys[index])
-            if self.guard is not None:
-                self.guard.shared(seq_id, page, self._epochs[page], index)
+            if guard is not None:
+                guard.shared(seq_id, page, self._epochs[page], index)
         self._num_published[seq_id] = max(start, num_full)
 
     def _take(self, count: int) -> list[int]:

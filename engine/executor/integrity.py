@@ -321,6 +321,8 @@ class IntegrityChecker(PageRecord):
         self._outbox: list[Update] | None = [] if tensor_parallel > 1 else None
         self._sharing: dict[int, tuple[int, int, set[int]]] = {}    # shared page -> (epoch, position, holders)
         self._shared_by: dict[int, set[int]] = {}               # sequence -> the shared pages it holds
+        self._held = [(FREE, 0)] * block_manager.num_pages     # (owner, epoch) of each page, on the host: to vet
+                                                                # publishes without reading the device
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
         block_manager.guard = self
 
@@ -341,6 +343,7 @@ class IntegrityChecker(PageRecord):
             # second owner writes into it
             self.block_manager.quarantine([page])
         self._pending[page] = PendingPage(seq_id, epoch)
+        self._held[page] = (seq_id, epoch)
 
     def shared(self, seq_id: int, page: int, epoch: int, position: int) -> None:
         held_at, at, holders = self._sharing.get(page, (epoch, position, set()))
@@ -355,6 +358,7 @@ class IntegrityChecker(PageRecord):
         pending.left.discard(seq_id)
         self._sharing[page] = (epoch, position, holders)
         self._shared_by.setdefault(seq_id, set()).add(page)
+        self._held[page] = (SHARED, epoch)
 
     def unshared(self, seq_id: int, page: int) -> None:
         epoch, position, holders = self._sharing[page]
@@ -373,6 +377,7 @@ class IntegrityChecker(PageRecord):
         if len(holders) > 1:        # the last holder releases a shared page; several holders: a bug freed it
             self.violations += [Violation(seq_id, "freed_held", page) for seq_id in sorted(holders)]
         self._pending[page] = PendingPage(FREE, epoch)
+        self._held[page] = (FREE, epoch)
 
     def _drop_sharing(self, page: int) -> set[int]:
         _, _, holders = self._sharing.pop(page, (0, 0, set()))
@@ -413,6 +418,15 @@ class IntegrityChecker(PageRecord):
         bad = self.sealed[index] & (page_checksums(self.kv_cache, index, self.weights) != self.checksums[index])
         return int(torch.nonzero(bad).flatten()[0]) if bool(bad.any()) else len(pages)
 
+    def publishable(self, seq_id: int, page: int, lease: int) -> bool:
+        """Whether the sequence holds the page alone at its lease; if not, its table is corrupt (a foreign, freed or
+        out-of-range entry, which a preemption would otherwise publish before the next check): a violation."""
+        if 0 <= page < self.num_pages and self._held[page] == (seq_id, lease):
+            return True
+        owner, epoch = self._held[page] if 0 <= page < self.num_pages else (None, None)
+        self.violations.append(Violation(seq_id, "ownership", page, seq_id, owner, lease, epoch))
+        return False
+
     def audit(self, seq_id: int, pages: list[int], leases: list[int]) -> tuple[list[int], list[int]]:
         """Of a table being freed: the pages the sequence really holds, and the entries that fail."""
         self._flush()
@@ -433,8 +447,10 @@ class IntegrityChecker(PageRecord):
         return torch.nonzero(self.owners == seq_id).flatten().tolist() + sorted(self._shared_by.get(seq_id, ()))
 
     def take_violations(self) -> list[Violation]:
+        """The violations found off the step's check (each once: a refused publish and the audit of the same table
+        find the same entry)."""
         found, self.violations = self.violations, []
-        return found
+        return list(dict.fromkeys(found))
 
     def holders(self) -> list[int]:
         self._flush()

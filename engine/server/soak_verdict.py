@@ -31,6 +31,7 @@ def judge(soak: Soak, idle: dict[str, float], shutdown: dict[str, Any]) -> dict[
               "hung_up_prefix_ok": 0, "bad": 0, "bad_right_status": 0, "victims": 0, "victims_detected": 0,
               "victims_prefix_ok": 0, "harmed": 0}
     wrong_status: list[str] = []
+    lost: list[str] = []            # what a lost request was told, to tell a harmed bystander's fault from a bug
     for index, outcome in soak.outcomes.items():
         item = soak.planned[index]
         if item.kind in BAD_CASES:
@@ -53,6 +54,7 @@ def judge(soak: Soak, idle: dict[str, float], shutdown: dict[str, Any]) -> dict[
         elif outcome.status != "ok":
             counts["lost"] += 1
             counts["harmed"] += "integrity" in outcome.error
+            lost.append(f"{response_id}: {outcome.status} {outcome.http_status} {outcome.error}")
         elif outcome.token_ids == reference:
             counts["exact"] += 1
         else:
@@ -65,7 +67,7 @@ def judge(soak: Soak, idle: dict[str, float], shutdown: dict[str, Any]) -> dict[
     gaps = [gap for i, o in soak.outcomes.items() if soak.planned[i].kind == "good" for gap in o.gaps_s]
     report = {
         "config": asdict(config), "counts": counts, "wrong_status": wrong_status,
-        "faults": soak.faults, "pages_used_idle": idle["kvplan_kv_pages_used"],
+        "faults": soak.faults, "lost": lost, "pages_used_idle": idle["kvplan_kv_pages_used"],
         "pages_quarantined": idle["kvplan_kv_pages_quarantined"], "rss_start_mib": soak.rss[0][1] / 2**20,
         "rss_end_mib": soak.rss[-1][1] / 2**20, "rss_growth_second_half_mib": round(growth_mib, 1),
         "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p99_s": _percentile(ttfts, 0.99),
@@ -100,6 +102,10 @@ def judge(soak: Soak, idle: dict[str, float], shutdown: dict[str, Any]) -> dict[
     return report
 
 
+def _seconds(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"      # none timed: every streamed request went wrong
+
+
 TABLE_ROWS = (
     ("requests", lambda r: r["counts"]["requests"]),
     ("well-formed, exact greedy tokens", lambda r: r["counts"]["exact"]),
@@ -111,12 +117,14 @@ TABLE_ROWS = (
     ("faults injected / victims (detected)", lambda r: f"{len(r['faults'])} / {r['counts']['victims']} "
                                                        f"({r['counts']['victims_detected']})"),
     ("other requests harmed", lambda r: r["counts"]["harmed"]),
+    ("faults (kind: victims)", lambda r: ", ".join(f"{f['kind']}: {len(f['victims'])}" for f in r["faults"])),
+    ("lost requests, first 3 (what they got)", lambda r: "; ".join(r["lost"][:3]) or "-"),
     ("KV pages held when idle (quarantined)", lambda r: f"{r['pages_used_idle']:g} ({r['pages_quarantined']:g})"),
     ("RSS start -> end (MiB)", lambda r: f"{r['rss_start_mib']:.0f} -> {r['rss_end_mib']:.0f}"),
     ("RSS growth, second half (MiB)", lambda r: f"{r['rss_growth_second_half_mib']} (bound "
                                                 f"{r['config']['rss_growth_bound_mib']:g})"),
-    ("TTFT p50 / p99 (s)", lambda r: f"{r['ttft_p50_s']:.3f} / {r['ttft_p99_s']:.3f}"),
-    ("ITL p50 / p99 (s)", lambda r: f"{r['itl_p50_s']:.4f} / {r['itl_p99_s']:.4f}"),
+    ("TTFT p50 / p99 (s)", lambda r: f"{_seconds(r['ttft_p50_s'], 3)} / {_seconds(r['ttft_p99_s'], 3)}"),
+    ("ITL p50 / p99 (s)", lambda r: f"{_seconds(r['itl_p50_s'], 4)} / {_seconds(r['itl_p99_s'], 4)}"),
     ("SIGTERM: last wave, 503 probes, exit", lambda r: f"{r['shutdown']['drain_line'].removeprefix('engine: ')}; "
                                                        f"{r['shutdown']['probe_statuses']}; "
                                                        f"exit {r['shutdown']['exit_code']}"),
