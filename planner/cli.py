@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="--endpoint: prompts timed alone")
     calibrate.add_argument("--batches", type=int, nargs="+", default=None, help="--endpoint: decode batches timed")
     calibrate.add_argument("--repeats", type=int, default=None, help="--endpoint: timings per prefill or mixed point")
+    calibrate.add_argument("--decode-output-tokens", type=int, default=None,
+                           help="--endpoint: tokens each decode stream generates (default 32; a slow server: fewer)")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     plan = commands.add_parser("plan", help="memory, capacity, throughput and cost of one deployment")
@@ -419,7 +421,7 @@ def _calibrate_endpoint(args: argparse.Namespace, max_mape: float) -> dict[str, 
         raise PlannerError("--endpoint needs --model and --hardware: what the server runs, as the planner knows it")
     sweep = EndpointSweep()
     for name, value in (("prefill_tokens", args.prefill_tokens), ("decode_batches", args.batches),
-                        ("repeats", args.repeats)):
+                        ("repeats", args.repeats), ("decode_output_tokens", args.decode_output_tokens)):
         if value is not None:
             sweep = replace(sweep, **{name: tuple(value) if isinstance(value, list) else value})
     deployment = Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus or 1, weights=args.weights or "bf16",

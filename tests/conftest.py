@@ -90,10 +90,30 @@ def english_prompts(engine) -> list[list[int]]:
 
 
 def run_cli(*args: str, timeout: float = 300):
+    """`engine ARGS` as a process of its own: where the process is what the test is about (a run end to end, its
+    workers, its exit)."""
     import subprocess
 
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
+
+
+def engine_cli(*args: str):
+    """`engine ARGS` through the CLI's own `main` in this process: its stdout, its stderr and its exit status, for
+    tests of what the CLI prints (JSON, one-line errors) without a new interpreter importing torch (3 s each)."""
+    import contextlib
+    import io
+    import subprocess
+
+    from engine.cli import main
+
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    return subprocess.CompletedProcess(["engine", *args], status, out.getvalue(), err.getvalue())
 
 
 def pytest_collection_modifyitems(config, items):

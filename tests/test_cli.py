@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import engine_cli, run_cli
 
 
 def test_generate_json_contract():
@@ -20,8 +20,8 @@ def test_generate_json_contract():
 
 
 def test_info_json_is_exact():
-    done = run_cli("info", "--model", "smollm2-135m", "--memory-gib", "2", "--page-size", "32",
-                   "--kv-dtype", "bf16", "--json")
+    done = engine_cli("info", "--model", "smollm2-135m", "--memory-gib", "2", "--page-size", "32",
+                      "--kv-dtype", "bf16", "--json")
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
     per_token = 2 * 30 * 3 * 64 * 2
@@ -57,7 +57,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_and_exit_2(case):
     args, expected = BAD_INPUTS[case]
-    done = run_cli("generate", *args, "--json")
+    done = engine_cli("generate", *args, "--json")
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], done.stderr
@@ -65,7 +65,7 @@ def test_bad_input_is_one_line_and_exit_2(case):
 
 
 def test_truncated_gguf_is_one_line_and_exit_2(truncated_gguf):
-    done = run_cli("generate", "--model", str(truncated_gguf), "--prompt", "hi")
+    done = engine_cli("generate", "--model", str(truncated_gguf), "--prompt", "hi")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "truncated or corrupt" in lines[0] and str(truncated_gguf) in lines[0]

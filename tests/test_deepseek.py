@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import transformers  # a test dependency: a broken install fails here, never skips
-from conftest import REPO, run_cli
+from conftest import REPO, engine_cli, run_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
 TINY_DEEPSEEK = dict(
@@ -74,12 +74,12 @@ def test_unsupported_families_and_bad_truncations_are_one_line_errors(tmp_path):
                                   "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 2,
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
                                   "num_experts_per_tok": 2, "max_position_embeddings": 64}))
-    made = run_cli("generate", "--model", str(config), "--prompt", "hi", "--json")
+    made = engine_cli("generate", "--model", str(config), "--prompt", "hi", "--json")
     assert made.returncode == 2 and "'qwen3_moe'" in made.stderr and len(made.stderr.strip().splitlines()) == 1
     kimi = "planner/data/model-configs/kimi-k2.6.json"
     for flags, named in ((["--num-experts", "400"], "400"), (["--num-experts", "4"], "4"), (["--num-layers", "0"], "0"),
                          (["--num-layers", "62"], "62")):
-        made = run_cli("info", "--model", kimi, *flags, "--json")
+        made = engine_cli("info", "--model", kimi, *flags, "--json")
         assert made.returncode == 2 and named in made.stderr and len(made.stderr.strip().splitlines()) == 1, made.stderr
 
 
@@ -101,7 +101,7 @@ def test_engine_info_and_planner_plan_agree_to_the_byte_on_kimi_cut_to_two_layer
     config["text_config"]["num_hidden_layers"] = 2
     two_layers = tmp_path / "kimi-2-layers.json"
     two_layers.write_text(json.dumps(config))
-    info = json.loads(run_cli("info", "--model", KIMI, "--num-layers", "2", "--json").stdout)
+    info = json.loads(engine_cli("info", "--model", KIMI, "--num-layers", "2", "--json").stdout)
     for weights in ("native", "fp8"):
         plan = planner_json("plan", "--model", str(two_layers), "--hardware", "h200", "--gpus", "1",
                             "--weights", weights, "--kv", "bf16")
@@ -109,8 +109,8 @@ def test_engine_info_and_planner_plan_agree_to_the_byte_on_kimi_cut_to_two_layer
         assert info["weight_bytes_by_dtype"][weights]["total"] == plan["weights_bytes_per_gpu"]
     pages = {}
     for kv in ("bf16", "fp8"):
-        info = json.loads(run_cli("info", "--model", KIMI, "--num-layers", "2", "--kv-dtype", kv,
-                                  "--memory-gib", "1", "--json").stdout)
+        info = json.loads(engine_cli("info", "--model", KIMI, "--num-layers", "2", "--kv-dtype", kv,
+                                     "--memory-gib", "1", "--json").stdout)
         plan = planner_json("plan", "--model", str(two_layers), "--hardware", "h200", "--gpus", "1",
                             "--weights", "native", "--kv", kv)
         assert info["kv_bytes_per_token"] == plan["kv_bytes_per_token_per_gpu"] == {"bf16": 2, "fp8": 1}[kv] * 576 * 2
@@ -127,8 +127,8 @@ def test_the_engine_allocates_what_engine_info_says(tmp_path, weights):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "kimi_k25", "text_config": {**TINY_DEEPSEEK, "model_type": "deepseek_v3"}}))
     llm = LLM(model=str(path), weights=weights, group_size=32, num_layers=2, num_pages=8)
-    info = json.loads(run_cli("info", "--model", str(path), "--weights", weights, "--group-size", "32",
-                              "--num-layers", "2", "--json").stdout)
+    info = json.loads(engine_cli("info", "--model", str(path), "--weights", weights, "--group-size", "32",
+                                 "--num-layers", "2", "--json").stdout)
     assert sum(t.nbytes for t in llm.model.state_dict().values()) == info["weight_bytes"]
     assert llm.kv_cache.nbytes == llm.kv_cache.expected_nbytes
 

@@ -36,7 +36,8 @@ def calibrated(endpoint, tmp_path_factory) -> tuple[dict, Path]:
     calibration = tmp_path_factory.mktemp("endpoint") / "endpoint.calibration.json"
     fitted = planner("calibrate", "--endpoint", endpoint, "--model", "smollm2-135m", "--hardware", "cpu",
                      "--weights", "bf16", "--kv", "bf16", "--prefill-tokens", "16", "32", "64", "128", "192",
-                     "--batches", "1", "2", "3", "4", "6", "8", "--repeats", "2", "--out", str(calibration), "--json")
+                     "--batches", "1", "2", "3", "4", "6", "8", "--repeats", "2", "--decode-output-tokens", "16", "--out",
+                     str(calibration), "--json")
     assert fitted.returncode == 0, fitted.stderr
     return json.loads(fitted.stdout), calibration
 
@@ -57,7 +58,8 @@ def test_calibrate_then_verify_against_the_live_server(endpoint, calibrated):
     metrics = result["metrics"]
     assert result["completed"] == 12 and result["server"]["kind"] == "kvplan"
     assert metrics["kv_capacity_tokens"]["predicted"] == metrics["kv_capacity_tokens"]["measured"]
-    print("\nendpoint verification: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
+    print("\nendpoint calibration MAPE: " + ", ".join(f"{key} {report[key]}" for key in report if key.startswith("mape_")))
+    print("endpoint verification: " + ", ".join(f"{k} {m['error_pct']}%" for k, m in metrics.items())
           + f"; machine {json.dumps(result['machine'])}")
     # on the one figure the verification declares: scaled by the drift the calibration's own points show when timed
     # again before and after the workload where those two agree, as measured where they do not
@@ -83,6 +85,8 @@ def test_endpoint_calibration_prices_a_plan(calibrated):
     (("calibrate", "--endpoint", "http://127.0.0.1:9", "--out", "/tmp/x.json"), "--model"),
     (("calibrate", "--endpoint", "ftp://somewhere", "--model", "smollm2-135m", "--hardware", "cpu", "--out",
       "/tmp/x.json"), "ftp://somewhere"),
+    (("calibrate", "--endpoint", "http://127.0.0.1:9", "--model", "smollm2-135m", "--hardware", "cpu",
+      "--decode-output-tokens", "4", "--out", "/tmp/x.json"), "at least 8 to time gaps, got 4"),
     (("verify", "--endpoint", "http://127.0.0.1:9", "--rate", "1"), "--calibration"),
     (("verify", "--rate", "1"), "--profile"),
 ])

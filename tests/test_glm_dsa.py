@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import transformers  # a test dependency: a broken install fails here, never skips
-from conftest import REPO, run_cli
+from conftest import REPO, engine_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
 INDEXER_TYPES = ["full", "shared", "full", "shared", "shared"]
@@ -161,8 +161,8 @@ def test_engine_info_and_planner_plan_agree_to_the_byte_on_glm_cut_to_six_layers
     config["indexer_types"] = config["indexer_types"][:6]
     cut = tmp_path / "glm-6-layers.json"
     cut.write_text(json.dumps(config))
-    info = json.loads(run_cli("info", "--model", GLM, "--num-layers", "6", "--kv-dtype", kv, "--memory-gib", "1",
-                              "--json").stdout)
+    info = json.loads(engine_cli("info", "--model", GLM, "--num-layers", "6", "--kv-dtype", kv, "--memory-gib",
+                                 "1", "--json").stdout)
     plan = planner_json("plan", "--model", str(cut), "--hardware", "h200", "--gpus", "1", "--kv", kv)
     per_token = {"bf16": 2 * (6 * 576 + 3 * 128), "fp8": 6 * 576 + 3 * (128 + 4)}[kv]
     assert info["kv_bytes_per_token"] == plan["kv_bytes_per_token_per_gpu"] == per_token

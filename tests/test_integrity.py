@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from campaign import assert_campaign_detects
-from conftest import run_cli
+from conftest import engine_cli, run_cli
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
@@ -214,7 +214,7 @@ def test_cli_generate_takes_integrity_mode():
                      "--integrity", "full", "--json")
     assert result.returncode == 0, result.stderr
     assert '"completion_tokens": 4' in result.stdout
-    bad = run_cli("generate", "--prompt", "x", "--integrity", "paranoid")
+    bad = engine_cli("generate", "--prompt", "x", "--integrity", "paranoid")
     assert bad.returncode == 2 and "paranoid" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 

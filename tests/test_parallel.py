@@ -8,7 +8,7 @@ import time
 
 import pytest
 from campaign import assert_campaign_detects
-from conftest import run_cli
+from conftest import engine_cli, run_cli
 
 from engine.core.errors import ConfigError, WorkerError
 from engine.core.memory import kv_bytes_per_token, kv_layout
@@ -85,8 +85,8 @@ def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
     for rank in ranks:
         assert rank["weight_bytes_by_component"] == {k: v for k, v in planned.items() if v}
         assert rank["kv_cache_bytes"] == 10 * 16 * per_token + scale_bytes
-    info = run_cli("info", "--model", tiny, "--weights", weights, "--kv-dtype", kv_dtype, "--group-size", "32",
-                   "--tensor-parallel", "2", "--json")
+    info = engine_cli("info", "--model", tiny, "--weights", weights, "--kv-dtype", kv_dtype, "--group-size", "32",
+                      "--tensor-parallel", "2", "--json")
     assert info.returncode == 0, info.stderr
     info = json.loads(info.stdout)
     if weights == "bf16":                 # info's float dtype is the weights' (fp32 beside INT4 on CPU)

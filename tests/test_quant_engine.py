@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import engine_cli, run_cli
 
 from engine.core.sequence import SamplingParams
 from engine.harness.perplexity import perplexity
@@ -63,7 +63,7 @@ class TestFP8KVCache:
     def test_fp8_kv_doubles_the_pages_for_a_budget(self, kv_engines):
         pages = {}
         for kv in ("bf16", "fp8"):
-            done = run_cli("info", "--model", "smollm2-135m", "--kv-dtype", kv, "--memory-gib", "3", "--json")
+            done = engine_cli("info", "--model", "smollm2-135m", "--kv-dtype", kv, "--memory-gib", "3", "--json")
             pages[kv] = json.loads(done.stdout)["kv_pages"]
         assert pages["fp8"] >= 1.9 * pages["bf16"]
         assert kv_engines["fp8"].kv_cache.nbytes == kv_engines["fp8"].kv_cache.expected_nbytes
@@ -82,7 +82,7 @@ def test_native_int4_perplexity_matches_the_dequantized_model(engine, native_eng
 
 
 def test_native_weights_occupy_what_info_reports(native_engine):
-    done = run_cli("info", "--model", "smollm2-135m", "--weights", "native", "--json")
+    done = engine_cli("info", "--model", "smollm2-135m", "--weights", "native", "--json")
     payload = json.loads(done.stdout)
     assert linear_weight_bytes(native_engine.model) == payload["linear_weight_bytes"]
     by_dtype = payload["weight_bytes_by_dtype"]
@@ -106,6 +106,6 @@ def test_eval_json_contract():
     (["--weights", "int4", "--group-size", "48"], "48"),
 ])
 def test_bad_quantization_input_is_one_line(args, expected):
-    done = run_cli("eval", "--model", "smollm2-135m", *args, "--windows", "1", "--window", "64")
+    done = engine_cli("eval", "--model", "smollm2-135m", *args, "--windows", "1", "--window", "64")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
