@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import transformers  # a test dependency: a broken install fails here, never skips
-from conftest import REPO, engine_cli, run_cli
+from conftest import REPO, engine_cli
 from mla_reference import MAX_TOKENS, engine, greedy, relative_error, saved_reference
 
 TINY_DEEPSEEK = dict(
@@ -188,8 +188,8 @@ def test_cli_generates_from_token_ids_on_a_cut_config(tmp_path):
     """A random-weight config (no tokenizer) served as it ships (INT4 experts), two of its three layers."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "kimi_k25", "text_config": {**TINY_DEEPSEEK, "model_type": "deepseek_v3"}}))
-    made = run_cli("generate", "--model", str(path), "--num-layers", "2", "--weights", "native", "--group-size", "32",
-                   "--prompt-token-ids", "5", "6", "7", "--max-tokens", "4", "--json")
+    made = engine_cli("generate", "--model", str(path), "--num-layers", "2", "--weights", "native", "--group-size",
+                      "32", "--prompt-token-ids", "5", "6", "7", "--max-tokens", "4", "--json")
     assert made.returncode == 0, made.stderr
     out = json.loads(made.stdout)
     assert out["prompt_tokens"] == 3 and out["completion_tokens"] == 4 and len(out["token_ids"]) == 4
@@ -204,7 +204,7 @@ def test_a_folder_whose_tensors_do_not_match_its_config_is_refused(deepseek, tmp
     shutil.copytree(folder, broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 16}))
-    made = run_cli("generate", "--model", str(broken), "--prompt-token-ids", "5", "6", "--json")
+    made = engine_cli("generate", "--model", str(broken), "--prompt-token-ids", "5", "6", "--json")
     assert made.returncode == 2 and "self_attn.kv_a" in made.stderr and "the config implies" in made.stderr
     assert len(made.stderr.strip().splitlines()) == 1
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 from campaign import assert_campaign_detects
-from conftest import engine_cli, run_cli
+from conftest import engine_cli
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
@@ -210,8 +210,8 @@ def test_breaking_the_ownership_update_breaks_detection(workload, monkeypatch):
 
 
 def test_cli_generate_takes_integrity_mode():
-    result = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "4",
-                     "--integrity", "full", "--json")
+    result = engine_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "4",
+                        "--integrity", "full", "--json")
     assert result.returncode == 0, result.stderr
     assert '"completion_tokens": 4' in result.stdout
     bad = engine_cli("generate", "--prompt", "x", "--integrity", "paranoid")

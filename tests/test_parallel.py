@@ -95,12 +95,12 @@ def test_each_rank_holds_the_planners_bytes_per_gpu(tiny, weights, kv_dtype):
 
 
 def test_generate_on_two_ranks_from_the_command_line(tiny):
-    one = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "6", "7", "--max-tokens", "6", "--json")
+    one = engine_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "6", "7", "--max-tokens", "6", "--json")
     two = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "6", "7", "--max-tokens", "6",
                   "--tensor-parallel", "2", "--threads", "1", "--json")
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
-    bad = run_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "--tensor-parallel", "3")
+    bad = engine_cli("generate", "--model", tiny, "--prompt-token-ids", "5", "--tensor-parallel", "3")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"engine: error: --tensor-parallel 3 does not divide the 4 attention heads of {tiny}"]
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import run_cli
+from conftest import engine_cli
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2-135m"
@@ -313,7 +313,7 @@ def test_integrity_violation_fails_only_its_request(served):
 
 
 def test_serve_cli_refuses_bad_flags_in_one_line():
-    result = run_cli("serve", "--port", "70000")
+    result = engine_cli("serve", "--port", "70000")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "70000" in result.stderr
 
