@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.core.metrics import RequestTiming, summarize
 from engine.core.profile_format import regime_of
-from engine.server.launch import serve_subprocess
+from engine.harness.launch import serve_subprocess
 from planner.calibration.parameters import load_calibration
 from planner.catalog.models import get_model
 from planner.cost.step_model import BatchShape

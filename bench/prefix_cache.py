@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.core.config import SchedulerConfig
 from engine.core.metrics import RequestTiming, summarize
 from engine.core.reference_text import reference_text
-from engine.server.launch import serve_subprocess
+from engine.harness.launch import serve_subprocess
 from planner.calibration.parameters import Calibration
 from planner.calibration.profile_fit import calibrate, load_profile
 from planner.endpoint.client import server_shape

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.core.metrics import summarize
+from engine.harness.launch import serve_subprocess
 from engine.harness.served_run import ServeRequest, serve_requests
 from engine.llm import LLM
-from engine.server.launch import serve_subprocess
 from planner.endpoint.client import Client, serve_workload, synthetic_prompt
 from planner.simulation.workload import LengthDistribution, Workload
 

@@ -1,6 +1,6 @@
 """Chaos soak of `engine serve` (CPU, SmolLM2): thousands of requests from 64 `openai` async clients, hung-up
 streams, malformed and over-limit requests, wrong keys, integrity faults and a SIGTERM at the end; prints the
-table and writes bench/results/soak.json. Exit status 1 when anything did not hold (engine.server.soak)."""
+table and writes bench/results/soak.json. Exit status 1 when anything did not hold (engine.harness.soak)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from engine.server.soak import SoakConfig, run_soak
-from engine.server.soak_verdict import table
+from engine.harness.soak import SoakConfig, run_soak
+from engine.harness.soak_verdict import table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

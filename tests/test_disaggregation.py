@@ -134,8 +134,8 @@ def test_corrupted_page_aborts_only_its_request(engine, english_prompts):
 def served_pair():
     """`engine serve --role prefill` and `--role decode` (each on a thread of this process), `engine proxy` in front,
     and a single engine's greedy answers to compare with."""
+    from engine.harness.launch import serve_in_thread
     from engine.server.app import ServerConfig, build_app
-    from engine.server.launch import serve_in_thread
     from engine.server.proxy import ProxyConfig, build_proxy
 
     engines = {role: LLM(model="smollm2-135m", weights="fp32", device="cpu", kv_cache_gib=0.1)
@@ -195,7 +195,7 @@ def test_proxy_serves_the_single_engines_tokens(engine, english_prompts, served_
 def test_corruption_on_the_link_aborts_only_that_request(english_prompts, served_pair):
     """A relay between the replicas flips one bit of a hand-off's second page: the decode replica answers that
     request with an integrity error; the next request through the same replicas is served."""
-    from engine.server.launch import serve_in_thread
+    from engine.harness.launch import serve_in_thread
 
     relay = FastAPI()
     prefill_url = served_pair["urls"]["prefill"]

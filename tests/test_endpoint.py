@@ -23,7 +23,7 @@ def planner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def endpoint():
     """`engine serve` on one thread (a step that waits for two threads on a 2-core machine is at the mercy of the
     client beside it), fp32 weights and a bf16 KV pool of 0.25 GiB."""
-    from engine.server.launch import serve_subprocess
+    from engine.harness.launch import serve_subprocess
 
     with serve_subprocess(["--model", "smollm2-135m", "--device", "cpu", "--threads", "1", "--kv-dtype", "bf16",
                            "--memory-gib", KV_GIB]) as url:

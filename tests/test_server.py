@@ -25,9 +25,9 @@ def served(tmp_path_factory):
     """A server on a free port of 127.0.0.1 that traces its steps, its engine, and greedy references taken before
     it started."""
     from engine.core.sequence import SamplingParams
+    from engine.harness.launch import serve_in_thread
     from engine.llm import LLM
     from engine.server.app import ServerConfig, build_app
-    from engine.server.launch import serve_in_thread
 
     llm = LLM(model=MODEL, weights="fp32", device="cpu", max_num_seqs=64, kv_cache_gib=0.25)
     reference = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]

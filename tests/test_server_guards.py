@@ -23,9 +23,9 @@ MAX_MODEL_LEN, MAX_BODY = 256, 4096
 @pytest.fixture(scope="module")
 def guarded():
     """A server that requires a key (another on /metrics), with a 256-token context and a 4 KiB body limit."""
+    from engine.harness.launch import serve_in_thread
     from engine.llm import LLM
     from engine.server.app import ServerConfig, build_app
-    from engine.server.launch import serve_in_thread
 
     config = ServerConfig(MODEL, api_key=KEY, metrics_api_key=METRICS_KEY, max_body_bytes=MAX_BODY)
     with LLM(model=MODEL, weights="fp32", device="cpu", kv_cache_gib=0.05, max_model_len=MAX_MODEL_LEN) as llm, \
@@ -170,7 +170,7 @@ def test_serve_refuses_bad_limits_in_one_line(flags, needle):
 
 def test_sigterm_drains_what_runs_refuses_newcomers_and_exits_0():
     """A stream in flight completes with the tokens it gets alone; a new request gets 503 + Retry-After; exit 0."""
-    from engine.server.launch import ServerProcess
+    from engine.harness.launch import ServerProcess
 
     server = ServerProcess(["--model", MODEL, "--drain-timeout", "120", "--memory-gib", "0.05"])
     try:
@@ -209,7 +209,7 @@ def test_sigterm_drains_what_runs_refuses_newcomers_and_exits_0():
 def test_sigint_past_the_drain_timeout_aborts_with_a_final_error():
     """Requests still running when the drain timeout ends: a stream gets a last SSE error event, a whole answer
     a 503; their pages are freed and the process exits 0."""
-    from engine.server.launch import ServerProcess
+    from engine.harness.launch import ServerProcess
 
     server = ServerProcess(["--model", MODEL, "--drain-timeout", "0.5", "--memory-gib", "0.05"])
     try:

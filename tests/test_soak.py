@@ -2,8 +2,8 @@
 (bench/soak.py runs the full 2,000)."""
 from __future__ import annotations
 
-from engine.server.soak import SoakConfig, run_soak
-from engine.server.soak_verdict import table
+from engine.harness.soak import SoakConfig, run_soak
+from engine.harness.soak_verdict import table
 
 SMALL = SoakConfig(requests=256, clients=32, faults=4, prompts=6, max_tokens=(4, 8, 16), last_wave_tokens=16,
                    memory_gib=0.05, bad_share=0.08, seed=3)
@@ -35,8 +35,8 @@ def test_near_ties_are_judged_token_by_token_at_the_real_threshold(engine):
     after it, which the first-difference rule forgave) fails. In the verdict, a victim's or a hung-up stream's
     prefix is exact or wrong, and near-ties beyond the bound fail the soak."""
     from engine.core.reference_text import reference_text
-    from engine.server.soak import TIE_LOGIT_GAP, Outcome, Planned, Soak, greedy_up_to_ties
-    from engine.server.soak_verdict import judge
+    from engine.harness.soak import TIE_LOGIT_GAP, Outcome, Planned, Soak, greedy_up_to_ties
+    from engine.harness.soak_verdict import judge
 
     ids = engine.tokenizer.encode(reference_text(slice(40)))[:512]
     top = engine.score(ids).topk(3, dim=-1)

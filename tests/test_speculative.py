@@ -155,8 +155,8 @@ def test_the_server_counts_drafts_like_vllm(tmp_path):
     import openai
     from prometheus_client.parser import text_string_to_metric_families
 
+    from engine.harness.launch import serve_in_thread
     from engine.server.app import ServerConfig, build_app
-    from engine.server.launch import serve_in_thread
 
     trace = tmp_path / "steps.jsonl"
     with LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", kv_cache_gib=0.05) as llm, \

@@ -1,1 +1,2 @@
-"""What drives an LLM from outside: the profiler, served runs, perplexity and the fault campaign."""
+"""What drives an LLM from outside: the profiler, served runs, perplexity, the fault campaign, servers launched for
+tests and benchmarks, and the chaos soak against one."""

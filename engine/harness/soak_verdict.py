@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.server.soak import Soak
+    from engine.harness.soak import Soak
 
 BAD_CASES = {                   # a malformed or over-limit request, and the status it must get
     "malformed_json": 400, "unknown_field": 400, "over_context": 400, "too_many_stops": 400,

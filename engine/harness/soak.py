@@ -32,8 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.errors import ConfigError
 from engine.core.reference_text import reference_text
-from engine.server.launch import ServerProcess
-from engine.server.soak_verdict import BAD_CASES, judge
+from engine.harness.launch import ServerProcess
+from engine.harness.soak_verdict import BAD_CASES, judge
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -186,16 +186,15 @@ class Soak:
 
     def ties(self, item: Planned, tokens: list[int]) -> int | None:
         """`greedy_up_to_ties` of a request's tokens after its prompt as the server renders it (completion or chat
-        template), scored by an engine of the served model made here on first use."""
-        from engine.server.protocol import ChatMessage
-
+        template: the message as the server's protocol dumps it), scored by an engine of the served model made here on
+        first use."""
         if self._scorer is None:
             from engine.llm import LLM
 
             self._scorer = LLM(model=MODEL, weights="fp32", device="cpu", integrity="off", kv_cache_gib=0.05)
         prompt = self.prompts[item.prompt]
         if item.chat:
-            prompt = self._scorer.tokenizer.apply_chat_template([ChatMessage(role="user", content=prompt).model_dump()])
+            prompt = self._scorer.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         return greedy_up_to_ties(self._scorer, self._scorer.encode_prompt(prompt), tokens)
 
     async def raw(self, path: str, body: dict[str, Any] | bytes | None = None, key: str | None = API_KEY) -> Reply:
