@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.metrics import RequestTiming, summarize
-from engine.core.profile_format import regime_of
+from engine.core.step_shape import regime_of
 from engine.harness.launch import serve_subprocess
 from planner.calibration.parameters import load_calibration
 from planner.catalog.models import get_model

@@ -55,8 +55,8 @@ class CheckTimer:
     def __init__(self, llm: LLM) -> None:
         self.seconds = 0.0
         for name in ("check", "seal"):
-            method = getattr(llm.integrity, name)
-            setattr(llm.integrity, name, self._timed(method))
+            method = getattr(llm.core.integrity, name)
+            setattr(llm.core.integrity, name, self._timed(method))
 
     def _timed(self, method):
         def timed(*args):
@@ -72,8 +72,8 @@ def _start_decoding(llm: LLM, prompts: list[list[int]], steps: int) -> None:
     """Queues the prompts and runs their prefills: the engine's next steps are all decodes."""
     for prompt in prompts:
         llm.add_request(prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in llm.scheduler.running) \
-            or llm.scheduler.waiting:
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in llm.core.scheduler.running) \
+            or llm.core.scheduler.waiting:
         llm.step()
 
 
@@ -104,7 +104,7 @@ def overhead(batch: int, steps: int, kv_gib: float, engine: dict) -> dict:
 
     if engine.get("tensor_parallel", 1) == 1:
         engines = {label: build(label, extra) for label, extra in MODES}
-        timers = {label: CheckTimer(llm) for label, llm in engines.items() if llm.integrity is not None}
+        timers = {label: CheckTimer(llm) for label, llm in engines.items() if llm.core.integrity is not None}
         order = list(engines)
         for _ in range(steps):
             rng.shuffle(order)
@@ -118,7 +118,7 @@ def overhead(batch: int, steps: int, kv_gib: float, engine: dict) -> dict:
             rng.shuffle(modes)
             for label, extra in modes:
                 llm = build(label, extra)
-                timer = CheckTimer(llm) if llm.integrity is not None else None
+                timer = CheckTimer(llm) if llm.core.integrity is not None else None
                 times[label] += [_timed_step(llm) for _ in range(steps)]
                 finish(label, llm, timer)
     medians = {label: statistics.median(values) for label, values in times.items()}
@@ -157,7 +157,7 @@ def campaign(trials: int, seed: int, engine: dict) -> list[dict]:
                 "detected": sum(r.detected for r in injected),
                 "requests_harmed": sum(r.harmed + (not r.victims_clean) for r in injected),
                 "leaked_pages": sum(r.leaked_pages for r in results),
-                "quarantined_pages": len(llm.block_manager.quarantined),
+                "quarantined_pages": llm.stats().quarantined_pages,
             })
             print(f"  {mode:9s} {kind:18s} rank {rank} injected {rows[-1]['injected']:3d} detected "
                   f"{rows[-1]['detected']:3d} harmed {rows[-1]['requests_harmed']}", file=sys.stderr)

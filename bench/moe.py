@@ -62,7 +62,7 @@ def lockstep_decode_times(llm: LLM, model, batch: int, prompt_tokens: int,
         llm.add_request(prompt, params)
     touched: list[int] = []
     in_step: list[int] = []
-    routers = [m for m in llm.model.modules() if isinstance(m, Router)]
+    routers = [m for m in llm.core.model.modules() if isinstance(m, Router)]
     hooks = [r.register_forward_hook(lambda _m, _i, out: in_step.append(int(out[1].unique().numel())))
              for r in routers]
     engine_times: list[float] = []
@@ -72,8 +72,8 @@ def lockstep_decode_times(llm: LLM, model, batch: int, prompt_tokens: int,
             out = model(torch.tensor(prompts(batch, prompt_tokens)), use_cache=True)
         cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         while llm.has_unfinished():
-            running = llm.scheduler.running
-            decoding = bool(running) and not llm.scheduler.waiting and all(
+            running = llm.core.scheduler.running
+            decoding = bool(running) and not llm.core.scheduler.waiting and all(
                 seq.num_computed_tokens >= len(seq.prompt_token_ids) for seq in running)
             in_step.clear()
             start = time.perf_counter()
@@ -95,7 +95,7 @@ def lockstep_decode_times(llm: LLM, model, batch: int, prompt_tokens: int,
 
 def moe_layer_vs_token_loop(llm: LLM, tokens: int, repeats: int) -> dict:
     """The engine's MoE module against the same experts run token by token, expert by expert."""
-    moe = next(m for m in llm.model.modules() if isinstance(m, MoE))
+    moe = next(m for m in llm.core.model.modules() if isinstance(m, MoE))
     x = torch.randn(tokens, llm.model_config.hidden_size) * 0.5
 
     def token_loop() -> torch.Tensor:

@@ -43,7 +43,7 @@ COMBINATIONS = [
 def build(options: dict, search: bool) -> LLM:
     llm = LLM(model="smollm2-135m", kv_cache_gib=BENCH_KV_GIB, **options)
     if search:
-        quantize_linears(llm.model, WeightFormat("int4", 64), search=True)
+        quantize_linears(llm.core.model, WeightFormat("int4", 64), search=True)
     return llm
 
 
@@ -88,8 +88,8 @@ def run_cpu(args: argparse.Namespace) -> dict:
         rows.append({
             "label": label,
             "kv_dtype": llm.kv_layout.dtype,
-            "model_bytes": sum(t.nbytes for t in llm.model.state_dict().values()),   # rotary tables are not state
-            "linear_weight_bytes": linear_weight_bytes(llm.model),
+            "model_bytes": sum(t.nbytes for t in llm.core.model.state_dict().values()),   # rotary tables are not state
+            "linear_weight_bytes": linear_weight_bytes(llm.core.model),
             "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
             "decode_step_ms_b1": round(times["b1"], 2),
             "decode_step_ms_b16": round(times["b16"], 2),

@@ -50,7 +50,7 @@ def engine_rows(batches: list[int], repeats: int) -> list[dict]:
     for batch in batches:
         prompts = repeating_prompts(plain, batch)
         timed(plain, prompts[:1]), timed(drafted, prompts[:1])       # warm-up
-        before = (drafted.num_draft_tokens, drafted.num_accepted_tokens)
+        before = drafted.stats()
         best = {"plain": float("inf"), "drafted": float("inf")}
         for _ in range(repeats):
             seconds, tokens = timed(plain, prompts)
@@ -59,12 +59,12 @@ def engine_rows(batches: list[int], repeats: int) -> list[dict]:
             best["drafted"] = min(best["drafted"], seconds)
             if drafted_tokens != tokens:
                 raise SystemExit(f"batch {batch}: drafted tokens differ from plain decoding")
-        drafts = drafted.num_draft_tokens - before[0]
+        drafts = drafted.stats().draft_tokens - before.draft_tokens
         generated = batch * OUTPUT_TOKENS
         rows.append({"batch": batch, "plain_tokens_per_s": round(generated / best["plain"], 2),
                      "drafted_tokens_per_s": round(generated / best["drafted"], 2),
                      "speedup": round(best["plain"] / best["drafted"], 3),
-                     "acceptance_rate": round((drafted.num_accepted_tokens - before[1]) / drafts, 3) if drafts else None})
+                     "acceptance_rate": round((drafted.stats().accepted_tokens - before.accepted_tokens) / drafts, 3) if drafts else None})
     return rows
 
 

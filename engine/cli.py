@@ -41,6 +41,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None, metavar="METHOD:K",
                         help="speculative decoding: ngram:K proposes the K tokens that followed the latest earlier "
                              "occurrence of the last tokens (prompt lookup)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (on CUDA, decode steps otherwise replay CUDA graphs)")
+    parser.add_argument("--max-graph-batch", type=int, default=None, metavar="N",
+                        help="capture decode graphs for batches up to N (default: up to --max-num-seqs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -128,7 +132,8 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
                         kv_cache_gib=args.memory_gib, group_size=args.group_size, int4_symmetric=args.symmetric,
                         num_threads=args.threads, num_layers=args.num_layers, num_experts=args.num_experts,
                         tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel,
-                        enable_prefix_caching=args.prefix_caching, speculative=args.speculative, **extra)
+                        enable_prefix_caching=args.prefix_caching, speculative=args.speculative,
+                        enforce_eager=args.enforce_eager, max_graph_batch=args.max_graph_batch, **extra)
 
 
 def _emit(payload: dict[str, Any], as_json: bool, text: str) -> None:
@@ -156,8 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> None:
-    from engine.core.memory import GIB, kv_bytes_per_token, kv_layout, kv_pages_for_budget, kv_scale_bytes
-    from engine.llm import CPU_DEFAULT_KV_GIB
+    from engine.core.memory import kv_bytes_per_token, kv_layout, kv_scale_bytes
     from engine.model.loader import check_shardable, read_model_config, resolve, weight_bytes_report
     from engine.model.sharding import rank_spec
 
@@ -170,8 +174,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     model_config = rank_spec(read_model_config(source).truncated(config.num_layers, config.num_experts),
                              config.tensor_parallel)       # one rank's share (all of it on one device)
     layout = kv_layout(model_config, config.resolved_kv_dtype(on_gpu=False))
-    budget = int((config.kv_cache_gib or CPU_DEFAULT_KV_GIB) * GIB)
-    pages = kv_pages_for_budget(budget, layout, config.page_size)
+    pages = config.kv_pool_pages(layout)
     weights = weight_bytes_report(source, model_config, config)
     payload = {
         "tensor_parallel": config.tensor_parallel,

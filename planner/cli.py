@@ -385,7 +385,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from engine.core.profile_format import SAMPLE_KINDS
+    from engine.core.step_shape import SAMPLE_KINDS
     from planner.calibration.profile_fit import MAX_MAPE_PCT, calibrate, load_profile
 
     max_mape = MAX_MAPE_PCT if args.max_mape is None else args.max_mape

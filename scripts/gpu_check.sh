@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for any CUDA machine; sized for about 8 minutes on an H200.
+#   0. bench/gpu_seed_effects.py: the engine's decode step against its floors (CUDA graphs, INT4/FP8 weights,
+#      FP8 KV at twice the batch, integrity off/ownership/full), the figures issues 45 and 46 accept on;
 #   1. the CUDA tests (tests/gpu): every Triton kernel against its torch oracle, the engine on CUDA;
 #   2. engine profiles: SmolLM2-135M's shape and a Llama-3.1-8B-shaped model cut to 4 layers (the
 #      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4;
@@ -10,7 +12,7 @@
 #   4. GLM 5.2 at full width (6144 hidden, 256 experts, sparse attention with index_topk 2048) cut to 6 layers
 #      (INT4) and 4 (FP8), at contexts below and above index_topk (22 INT4 layers were still being built after
 #      200 s on the first H200 run: random weights are quantized layer by layer).
-# PARTS selects what runs, in this order (default "tests profiles bench glm"). DEADLINE_S (seconds, 0: none)
+# PARTS selects what runs, in this order (default "seed tests profiles bench glm"). DEADLINE_S (seconds, 0: none)
 # bounds the whole run for a tool that caps one command: each part's timeout is cut to the time left, and a part
 # that would get under 20 s is skipped and counted as a failure.
 # Results go to bench/results/ and planner/profiles/; where $OUT is set (the lent-GPU tool, which returns at most
@@ -29,7 +31,7 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 status=0
-PARTS=${PARTS:-tests profiles bench glm}
+PARTS=${PARTS:-seed tests profiles bench glm}
 DEADLINE_S=${DEADLINE_S:-0}
 STARTED=$(date +%s)
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -50,6 +52,11 @@ bounded() {
 }
 nvidia-smi -L || true
 "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+
+if wants seed; then
+  echo "== seed effects"
+  bounded 240 "$PY" bench/gpu_seed_effects.py --out "$RESULTS/gpu_seed_effects.json"
+fi
 
 if wants tests; then
   echo "== CUDA tests"

@@ -20,4 +20,4 @@ def assert_campaign_detects(llm: LLM, workload, kinds, trials: int, seed: int, r
             assert result.victims_clean, f"a victim got a token after the fault: {where}"
             assert result.harmed == 0, f"{result.harmed} other requests harmed: {where}"
             assert result.leaked_pages == 0, f"{result.leaked_pages} pages leaked: {where}"
-    llm.block_manager.check_invariants()
+    llm.core.block_manager.check_invariants()

@@ -2,6 +2,8 @@
 filled last pages, GQA groups that are not powers of two."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from engine.kernels import reference
@@ -135,3 +137,71 @@ def ownership_case(num_entries: int, num_pages: int, device: str, seed: int):
     pages[fate == 4] = -1 - pages[fate == 4]
     entries = torch.stack([pages, expected_owners, expected_epochs])
     return {"entries": entries.to(device), "owners": owners.to(device), "epochs": epochs.to(device)}, fate
+
+
+def step_integrity_case(num_items: int, num_pages: int, width: int, page_size: int, device: str, seed: int,
+                        full: bool = False):
+    """A random page record (free, owned and shared pages, each shared one with holders and a table position) and a
+    step's items: tables of the item's own pages and the shared ones it holds at their position, rows writing into
+    its own unsealed pages; every third item (the first included) carries one fault, in turn a foreign page, a stale
+    lease, an entry out of range, a shared page at another position or not held, a write into a shared or (`full`)
+    sealed page. Returns
+    the kernel's arguments and the record's updates and sealed pages, for a `PageRecord` to check the same step."""
+    rng = random.Random(seed)
+    seq_ids = rng.sample(range(100, 10_000), num_items)
+    owners, epochs, positions = [-1] * num_pages, [rng.randrange(4) for _ in range(num_pages)], [-1] * num_pages
+    holders: dict[int, set[int]] = {}
+    for page in range(num_pages):
+        kind = rng.random()
+        if page < num_items or kind < 0.5:
+            owners[page] = seq_ids[page % num_items]
+        elif kind < 0.8:
+            owners[page], positions[page] = -2, rng.randrange(width)
+            holders[page] = set(rng.sample(seq_ids, rng.randrange(1, num_items + 1)))
+    sealed = [full and page >= num_items and rng.random() < 0.3 for page in range(num_pages)]
+    tables, leases, counts, slots, row_counts = [], [], [], [], []
+    for item, seq_id in enumerate(seq_ids):
+        own = [p for p in range(num_pages) if owners[p] == seq_id]
+        fault = (item // 3) % 5 if item % 3 == 0 else None
+        count = rng.randrange(fault is not None and fault < 4, width + 1)
+        table, lease = [], []
+        for position in range(count):
+            shared = [p for p in holders if seq_id in holders[p] and positions[p] == position]
+            table.append(rng.choice(shared) if shared and rng.random() < 0.5 else rng.choice(own))
+            lease.append(epochs[table[-1]])
+        rows = rng.randrange(1, 4)
+        writes = [rng.choice([p for p in own if not sealed[p]]) for _ in range(rows)]
+        if fault is not None and fault < 4:
+            entry = rng.randrange(count)
+            if fault == 0:
+                table[entry] = rng.choice([p for p in range(num_pages) if owners[p] not in (seq_id, -2)] or [-1])
+            elif fault == 1:
+                lease[entry] += 1
+            elif fault == 2:
+                table[entry] = rng.choice([-1 - rng.randrange(3), num_pages + rng.randrange(3)])
+            else:                   # a shared page at the wrong position, or one it does not hold
+                others = [p for p in holders if positions[p] != entry or seq_id not in holders[p]]
+                if others:
+                    table[entry] = rng.choice(others)
+                    lease[entry] = epochs[table[entry]]
+        elif fault == 4:
+            writes[-1] = rng.choice([p for p in range(num_pages) if owners[p] == -2 or sealed[p]] or writes)
+        counts.append(count)
+        tables.append(table + [rng.randrange(num_pages) for _ in range(width - count)])
+        leases.append(lease + [0] * (width - count))
+        row_counts.append(rows)
+        slots += [page * page_size + rng.randrange(page_size) for page in writes]
+    row_starts = [sum(row_counts[:i]) for i in range(num_items)]
+    keys = sorted((page << 32) + holder for page, members in holders.items() for holder in members)
+
+    def tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    case = {"tables": tensor(tables).reshape(num_items, width), "leases": tensor(leases).reshape(num_items, width),
+            "entry_counts": tensor(counts), "seq_ids": tensor(seq_ids), "row_starts": tensor(row_starts),
+            "row_counts": tensor(row_counts), "slots": tensor(slots), "owners": tensor(owners),
+            "epochs": tensor(epochs), "positions": tensor(positions), "holder_keys": tensor(keys),
+            "sealed": torch.tensor(sealed, device=device) if full else None, "page_size": page_size}
+    updates = [(page, owners[page], epochs[page], positions[page], tuple(sorted(holders.get(page, ()))), (), True)
+               for page in range(num_pages)]
+    return case, updates, [page for page in range(num_pages) if sealed[page]]

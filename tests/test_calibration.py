@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.profile_format import PROFILE_VERSION, REGIMES, chunk_pairs
+from engine.core.step_shape import PROFILE_VERSION, REGIMES, chunk_pairs
 from planner.calibration.parameters import check_fingerprint, load_calibration
 from planner.calibration.profile_fit import (
     BOUNDS,

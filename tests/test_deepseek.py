@@ -36,7 +36,7 @@ def deepseek(tmp_path_factory):
 def test_logits_and_greedy_tokens_match_transformers(deepseek):
     folder, model, prompts, expected = deepseek
     llm = engine(folder)
-    assert llm.kv_layout.kind == "mla" and llm.kv_cache.latents.shape[-1] == 32 + 8
+    assert llm.kv_layout.kind == "mla" and llm.core.kv_cache.latents.shape[-1] == 32 + 8
     for prompt in prompts[:3]:
         with torch.no_grad():
             reference = model(torch.tensor([prompt])).logits[0]
@@ -129,8 +129,8 @@ def test_the_engine_allocates_what_engine_info_says(tmp_path, weights):
     llm = LLM(model=str(path), weights=weights, group_size=32, num_layers=2, num_pages=8)
     info = json.loads(engine_cli("info", "--model", str(path), "--weights", weights, "--group-size", "32",
                                  "--num-layers", "2", "--json").stdout)
-    assert sum(t.nbytes for t in llm.model.state_dict().values()) == info["weight_bytes"]
-    assert llm.kv_cache.nbytes == llm.kv_cache.expected_nbytes
+    assert sum(t.nbytes for t in llm.core.model.state_dict().values()) == info["weight_bytes"]
+    assert llm.core.kv_cache.nbytes == llm.core.kv_cache.expected_nbytes
 
 
 def test_the_triton_mla_decode_gives_the_torch_tokens(deepseek, monkeypatch):
@@ -179,7 +179,7 @@ def test_fp8_latent_pages_stay_close_to_bf16_pages(deepseek):
     fp8_error = statistics.median(relative_error(a, b) for a, b in zip(last["fp8"], last["bf16"]))
     bf16_error = statistics.median(relative_error(a, b) for a, b in zip(last["bf16"], last["fp32"]))
     assert bf16_error < 0.01 and fp8_error < FP8_LOGIT_ERROR, (bf16_error, fp8_error)
-    fp8, bf16 = engines["fp8"].kv_cache, engines["bf16"].kv_cache
+    fp8, bf16 = engines["fp8"].core.kv_cache, engines["bf16"].core.kv_cache
     assert fp8.num_pages == (int(0.01 * (1 << 30)) - 3 * 2 * 4) // (8 * 3 * 40)
     assert fp8.num_pages >= 2 * bf16.num_pages
 

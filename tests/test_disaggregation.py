@@ -29,7 +29,7 @@ def prefill_all(prefill: LLM, prompts: list[list[int]], params: SamplingParams =
     done = {}
     while prefill.has_unfinished():
         done.update((output.request_id, output) for output in prefill.step())
-    assert prefill.block_manager.num_used_pages == 0        # every prefill's pages left with its hand-off
+    assert prefill.core.block_manager.num_used_pages == 0        # every prefill's pages left with its hand-off
     return [done[request_id].handoff for request_id in ids]
 
 
@@ -104,7 +104,7 @@ def test_pair_decodes_the_single_engines_greedy_tokens(engine, english_prompts):
     outputs = decode_all(decode, handoffs)
     assert [output.token_ids for output in outputs] == reference
     assert decode.num_preemptions > 0
-    assert decode.block_manager.num_used_pages == 0
+    assert decode.core.block_manager.num_used_pages == 0
 
 
 def test_corrupted_page_aborts_only_its_request(engine, english_prompts):
@@ -124,8 +124,8 @@ def test_corrupted_page_aborts_only_its_request(engine, english_prompts):
     assert outputs[victim].token_ids == reference[victim][:1]          # the prefill's token, nothing decoded
     assert [o.token_ids for i, o in enumerate(outputs) if i != victim] == \
         [r for i, r in enumerate(reference) if i != victim]
-    assert decode.handoff_corruptions == 1
-    assert decode.block_manager.num_used_pages == 0 and prefill.block_manager.num_used_pages == 0
+    assert decode.stats().handoff_corruptions == 1
+    assert decode.core.block_manager.num_used_pages == 0 and prefill.core.block_manager.num_used_pages == 0
     with pytest.raises(RequestError, match="the hand-off was computed for the KV layout"):
         engine.add_handoff(handoffs[0])          # FP8 pages into an FP32 cache
 
@@ -216,7 +216,7 @@ def test_corruption_on_the_link_aborts_only_that_request(english_prompts, served
     good = served_pair["client"].completions.create(model="smollm2-135m", prompt=english_prompts[8], max_tokens=8,
                                                     temperature=0)
     assert good.choices[0].finish_reason in ("length", "stop") and good.choices[0].text
-    assert served_pair["engines"]["decode"].llm.handoff_corruptions == 1
+    assert served_pair["engines"]["decode"].llm.stats().handoff_corruptions == 1
     assert settled(served_pair) == {"prefill": 0, "decode": 0}
 
 

@@ -36,8 +36,8 @@ def test_logits_and_greedy_tokens_match_transformers(glm):
     """And the selection matters: the same model attending densely gives logits 10x further off."""
     folder, model, prompts, expected = glm
     llm = engine(folder)
-    assert [layer.self_attn.indexer is not None for layer in llm.model.layers] == [t == "full" for t in INDEXER_TYPES]
-    assert llm.kv_cache.index_keys.shape == (2, 128, 8, 16)
+    assert [layer.self_attn.indexer is not None for layer in llm.core.model.layers] == [t == "full" for t in INDEXER_TYPES]
+    assert llm.core.kv_cache.index_keys.shape == (2, 128, 8, 16)
     for prompt in prompts[:3]:
         with torch.no_grad():
             reference = model(torch.tensor([prompt])).logits[0]
@@ -45,7 +45,7 @@ def test_logits_and_greedy_tokens_match_transformers(glm):
         assert relative_error(ours, reference) < 1e-3
     assert greedy(llm, prompts) == expected
     dense = engine(folder)
-    for layer in dense.model.layers:
+    for layer in dense.core.model.layers:
         if layer.self_attn.indexer is not None:
             layer.self_attn.indexer.topk = 1000
     prompt = prompts[4]
@@ -68,7 +68,7 @@ def test_chunked_batched_and_preempted_runs_give_the_same_tokens(glm):
 def test_the_attention_reads_only_the_selected_tokens(glm):
     """One decode step of one sequence, run again over the same cache: corrupting the latent rows of a page no
     layer selected leaves the logits bit for bit; corrupting a selected page changes them."""
-    from engine.executor.runner import forward_plan
+    from engine.executor.model_runner import forward_plan
     from engine.executor.step_plan import StepPlan
 
     folder, _, prompts, _ = glm
@@ -76,31 +76,31 @@ def test_the_attention_reads_only_the_selected_tokens(glm):
     prompt, page_size = prompts[4], 8                                  # 57 tokens: pages 0-7
     pages = list(range(8))
     prefill = StepPlan(prompt, list(range(57)), list(range(57)), [], [], [(0, 57, 57, pages)], [])
-    forward_plan(llm.model, llm.kv_cache, prefill, page_size, llm.device)
+    forward_plan(llm.core.model, llm.core.kv_cache, prefill, page_size, llm.device)
     selected = []
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, args, out: selected.append(out.decodes))
-             for layer in llm.model.layers if layer.self_attn.indexer is not None]
+             for layer in llm.core.model.layers if layer.self_attn.indexer is not None]
     decode = StepPlan([7], [57], [57], [pages], [58], [], None)
-    clean = forward_plan(llm.model, llm.kv_cache, decode, page_size, llm.device)
+    clean = forward_plan(llm.core.model, llm.core.kv_cache, decode, page_size, llm.device)
     for hook in hooks:
         hook.remove()
     read = {int(position) // page_size for positions in selected for position in positions.flatten()}
     unread = [page for page in pages if page not in read]
     assert unread and len(read) > 1
-    latents = llm.kv_cache.latents
+    latents = llm.core.kv_cache.latents
     saved = latents.clone()
     latents[:, unread] = torch.randn_like(latents[:, unread]) * 100
-    assert torch.equal(forward_plan(llm.model, llm.kv_cache, decode, page_size, llm.device), clean)
+    assert torch.equal(forward_plan(llm.core.model, llm.core.kv_cache, decode, page_size, llm.device), clean)
     latents.copy_(saved)
     latents[:, min(read)] = torch.randn_like(latents[:, min(read)]) * 100
-    assert relative_error(forward_plan(llm.model, llm.kv_cache, decode, page_size, llm.device), clean) > 1e-3
+    assert relative_error(forward_plan(llm.core.model, llm.core.kv_cache, decode, page_size, llm.device), clean) > 1e-3
 
 
 def prefill_selections(llm, prompts) -> list[torch.Tensor]:
     """The positions each full layer's indexer selected for every prompt row, scoring the prompts one by one."""
     selections = []
     hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, args, out: selections.append(out.prefills[0]))
-             for layer in llm.model.layers if layer.self_attn.indexer is not None]
+             for layer in llm.core.model.layers if layer.self_attn.indexer is not None]
     for prompt in prompts:
         llm.score(prompt)
     for hook in hooks:
@@ -136,7 +136,7 @@ def test_fp8_caches_select_nearly_the_same_tokens_and_fault_checks_cover_the_ind
     reference = prefill_selections(engine(folder), prompts[:6])
     assert selection_overlap(prefill_selections(engine(folder, kv_dtype="bf16"), prompts[:6]), reference) > 0.97
     assert selection_overlap(prefill_selections(fp8, prompts[:6]), reference) > 0.9
-    cache, checker = fp8.kv_cache, fp8.integrity
+    cache, checker = fp8.core.kv_cache, fp8.core.integrity
     assert len(cache.pools) == 3 and cache.index_key_scales.dtype == torch.float32
     all_pages = torch.arange(cache.num_pages)
     before = page_checksums(cache, all_pages, checker.weights)
@@ -195,7 +195,7 @@ def test_the_triton_indexer_and_sparse_decode_give_the_torch_tokens(glm, monkeyp
 
 
 def test_selected_pairs_count_what_each_prefill_row_attends():
-    from engine.core.profile_format import selected_pairs
+    from engine.core.step_shape import selected_pairs
 
     for tokens, end, topk in ((5, 5, 8), (5, 12, 8), (30, 30, 8), (4, 40, 8), (1, 9, 8), (1, 8, 8), (16, 17, 16)):
         rows = range(end - tokens + 1, end + 1)                     # tokens each row sees before the cap

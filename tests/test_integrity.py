@@ -7,6 +7,7 @@ import pytest
 import torch
 from campaign import assert_campaign_detects
 from conftest import engine_cli
+from kernel_cases import step_integrity_case
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
@@ -14,8 +15,9 @@ from engine.core.errors import ConfigError
 from engine.core.memory import KVLayout
 from engine.core.scheduler import ScheduledSequence
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
-from engine.executor.integrity import IntegrityChecker, page_checksums
+from engine.executor.integrity import KIND_CODES, IntegrityChecker, PageRecord, page_checksums
 from engine.harness.fault_campaign import DETECTED_IN, FAULT_KINDS, PAGE_FAULTS, SHARING_FAULTS, run_trial
+from engine.kernels import reference
 from engine.llm import LLM
 from engine.model.kv_cache import PagedKVCache
 
@@ -28,8 +30,9 @@ def tiny_pool(mode: str, kv_dtype: str = "fp32", num_pages: int = 8, prefix_cach
     return manager, cache, IntegrityChecker(mode, manager, cache)
 
 
-def scheduled(seq_id: int, tokens: int) -> ScheduledSequence:
-    return ScheduledSequence(Sequence([1] * tokens, SamplingParams(), seq_id=seq_id), 0, tokens)
+def scheduled(manager: BlockManager, seq_id: int, tokens: int) -> ScheduledSequence:
+    """The sequence's whole prompt as a step would schedule it, with its table as the manager has it now."""
+    return ScheduledSequence(Sequence([1] * tokens, SamplingParams(), seq_id=seq_id), 0, tokens).take_tables(manager)
 
 
 def test_ownership_table_follows_grants_and_frees():
@@ -37,7 +40,7 @@ def test_ownership_table_follows_grants_and_frees():
     manager.allocate(1, 6)              # pages 0, 1
     manager.allocate(2, 3)              # page 2
     assert checker.owned_by(1) == [0, 1] and checker.owned_by(2) == [2]
-    assert checker.check([scheduled(1, 6), scheduled(2, 3)]) == []
+    assert checker.check([scheduled(manager, 1, 6), scheduled(manager, 2, 3)]) == []
     manager.free(1)
     owners, epochs = checker.ownership()
     assert owners[:3] == [-1, -1, 2]
@@ -51,7 +54,7 @@ def test_stale_table_and_foreign_page_are_caught_with_owner_and_epoch():
     manager.allocate(2, 4)              # page 2
     manager.fault_release(1)            # page 1 freed behind seq 1's back: epoch 0 -> 1
     manager.fault_table(2)[0] = 0       # seq 2's table names seq 1's page 0
-    found = {(v.seq_id, v.page): v for v in checker.check([scheduled(1, 8), scheduled(2, 4)])}
+    found = {(v.seq_id, v.page): v for v in checker.check([scheduled(manager, 1, 8), scheduled(manager, 2, 4)])}
     assert set(found) == {(1, 1), (2, 0)}
     assert (found[1, 1].found_owner, found[1, 1].found_epoch, found[1, 1].expected_epoch) == (-1, 1, 0)
     assert (found[2, 0].expected_owner, found[2, 0].found_owner) == (2, 1)
@@ -91,7 +94,7 @@ def test_a_corrupt_table_preempted_before_its_check_publishes_nothing(fault, bad
     manager.publish(2, [bytes([1]) * 32, bytes([2]) * 32], [b"first", b"second"], 2)
     manager.free(2)
     assert manager.published_hashes() == {}
-    assert checker.check([scheduled(1, 8)]) == []
+    assert checker.check([scheduled(manager, 1, 8)]) == []
     assert [(v.seq_id, v.kind, v.page) for v in checker.take_violations()] == [(2, "ownership", bad_page)]
 
 
@@ -131,7 +134,7 @@ def test_a_request_the_quarantine_outgrew_ends_and_the_others_are_served():
         alone = llm.generate([small], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
         ids = [llm.add_request(small, SamplingParams(max_tokens=4, ignore_eos=True)),
                llm.add_request(large, SamplingParams(max_tokens=30, ignore_eos=True))]
-        llm.block_manager.quarantine([6, 7])        # as two violations would: 48 usable token slots for 50
+        llm.core.block_manager.quarantine([6, 7])        # as two violations would: 48 usable token slots for 50
         ended = {}
         for _ in range(100):
             ended.update((result.request_id, result) for result in llm.step())
@@ -162,7 +165,7 @@ def campaign_engine(mode: str, kv_dtype: str | None = None, max_num_batched_toke
 def test_ownership_mode_catches_every_bookkeeping_fault(workload):
     llm = campaign_engine("ownership")
     assert_campaign_detects(llm, workload, PAGE_FAULTS[:4], TRIALS, seed=1)
-    assert 0 < len(llm.block_manager.quarantined) <= 3 * TRIALS      # out-of-range pages quarantine nothing
+    assert 0 < len(llm.core.block_manager.quarantined) <= 3 * TRIALS      # out-of-range pages quarantine nothing
 
 
 def test_full_mode_also_catches_memory_corruption(workload):
@@ -187,7 +190,7 @@ def test_off_mode_keeps_checks_off_the_hot_path(workload, monkeypatch):
     for name in ("check", "seal", "audit", "granted", "released"):
         monkeypatch.setattr(IntegrityChecker, name, forbidden)
     llm = campaign_engine("off")
-    assert llm.integrity is None and llm.block_manager.guard is None
+    assert llm.core.integrity is None and llm.core.block_manager.guard is None
     outputs = llm.generate(*workload)
     assert all(r.finish_reason == FinishReason.LENGTH.value for r in outputs)
 
@@ -235,7 +238,7 @@ def test_the_campaign_with_shared_pages(shared_workload, mode):
     llm = campaign_engine(mode, max_num_batched_tokens=48)
     kinds = SHARING_FAULTS + (PAGE_FAULTS[:4] if mode == "ownership" else ("bit_flip",))
     assert_campaign_detects(llm, shared_workload, kinds, TRIALS, seed=5)
-    llm.block_manager.check_invariants()
+    llm.core.block_manager.check_invariants()
 
 
 def test_the_record_of_shared_pages_follows_the_allocator(shared_workload):
@@ -250,9 +253,9 @@ def test_the_record_of_shared_pages_follows_the_allocator(shared_workload):
     shared_seen = 0
     while llm.has_unfinished():
         llm.step()
-        record, manager = llm.integrity, llm.block_manager
+        record, manager = llm.core.integrity, llm.core.block_manager
         owners, _ = record.ownership()
-        tables = {seq.seq_id: manager.block_table(seq.seq_id) for seq in llm.scheduler.running}
+        tables = {seq.seq_id: manager.block_table(seq.seq_id) for seq in llm.core.scheduler.running}
         for page, holders in record.shared_holders.items():
             assert owners[page] == SHARED and manager.is_published(page)
             assert holders == {seq_id for seq_id, table in tables.items() if page in table}, page
@@ -261,3 +264,28 @@ def test_the_record_of_shared_pages_follows_the_allocator(shared_workload):
         assert keys == sorted((page << HOLDER_SHIFT) + holder for page, holders in record.shared_holders.items()
                               for holder in holders)
     assert shared_seen > 0
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_device_check_flags_exactly_what_the_host_check_finds(seed, full):
+    """`step_integrity_flags` (the device check: one flag per request, the worst kind) against `PageRecord`'s host
+    check of the same tables and writes, on random records with shared pages and corrupted entries."""
+    case, updates, sealed = step_integrity_case(9, 60, 12, 4, "cpu", seed, full)
+    cache = PagedKVCache(KVLayout(1, "fp32", num_kv_heads=1, head_dim=2), 60, 4, "cpu")
+    record = PageRecord("full" if full else "ownership", 60, cache)
+    record.apply(updates)
+    if full:
+        record.sealed[sealed] = True
+    seq_ids, counts = case["seq_ids"].tolist(), case["entry_counts"].tolist()
+    tables = [(seq_id, table[:count], leases[:count]) for seq_id, table, leases, count in
+              zip(seq_ids, case["tables"].tolist(), case["leases"].tolist(), counts)]
+    slots = case["slots"].tolist()
+    writes = [(seq_id, slots[row] // 4) for seq_id, start, rows in
+              zip(seq_ids, case["row_starts"].tolist(), case["row_counts"].tolist()) for row in range(start, start + rows)]
+    expected = dict.fromkeys(seq_ids, 0)
+    for violation in record.check_tables(tables, writes):
+        expected[violation.seq_id] = max(expected[violation.seq_id], KIND_CODES[violation.kind])
+    flags = reference.step_integrity_flags(**case)
+    assert flags.tolist() == [expected[seq_id] for seq_id in seq_ids]
+    assert {0, KIND_CODES["ownership"], KIND_CODES["shared_write"]} >= set(flags.tolist()) and any(flags.tolist())

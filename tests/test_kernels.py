@@ -14,6 +14,7 @@ from kernel_cases import (
     paged_case,
     relative_error,
     sparse_mla_case,
+    step_integrity_case,
 )
 
 from engine.kernels import reference
@@ -25,6 +26,7 @@ from engine.kernels.mla_decode import paged_mla_decode
 from engine.kernels.ownership_check import ownership_check
 from engine.kernels.paged_attention import paged_decode_attention
 from engine.kernels.sparse_mla_decode import sparse_mla_decode
+from engine.kernels.step_integrity import step_integrity_flags
 
 DEVICE = "cpu"
 FP8 = torch.float8_e4m3fn
@@ -178,3 +180,16 @@ def test_ownership_check(num_entries, num_pages):
     bad = ownership_check(**case)
     assert torch.equal(bad, reference.ownership_check(**case))
     assert torch.equal(bad.cpu(), (fate >= 1) & (fate <= 4))
+
+
+@pytest.mark.parametrize(("items", "pages", "width", "full"), [(1, 4, 3, False), (7, 40, 9, False), (13, 97, 20, True),
+                                                                (5, 300, 140, True)])
+def test_step_integrity_flags(items, pages, width, full):
+    """Ragged tables (140 entries: more than one block), shared pages found by binary search among the holder keys,
+    flagged items' slots sent to the padding slot."""
+    case, _, _ = step_integrity_case(items, pages, width, 4, DEVICE, seed=items * 31 + width, full=full)
+    expected_slots = case["slots"].clone()
+    expected = reference.step_integrity_flags(**(case | {"slots": expected_slots}), pad_slot=7)
+    flags = step_integrity_flags(**case, pad_slot=7)
+    assert torch.equal(flags, expected) and torch.equal(case["slots"], expected_slots)
+    assert items == 1 or 0 < int((flags != 0).sum()) < items

@@ -21,7 +21,7 @@ def alone(engine, english_prompts):
 def test_batch_invariance(engine, english_prompts, alone):
     together = engine.generate(english_prompts, GREEDY)
     assert [r.token_ids for r in together] == alone
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    assert engine.core.block_manager.num_free_pages == engine.core.block_manager.num_pages
 
 
 def test_chunked_prefill_gives_the_same_tokens(english_prompts, alone):
@@ -37,8 +37,8 @@ def test_preemption_keeps_every_token(english_prompts, alone):
         assert starved.num_preemptions > 0
         assert sum(r.num_preemptions for r in results) == starved.num_preemptions
         assert [r.token_ids for r in results] == alone
-        assert starved.block_manager.num_free_pages == starved.block_manager.num_pages
-        starved.block_manager.check_invariants()
+        assert starved.core.block_manager.num_free_pages == starved.core.block_manager.num_pages
+        starved.core.block_manager.check_invariants()
 
 
 def test_a_closed_engine_gives_its_memory_back():
@@ -64,7 +64,7 @@ def test_a_closed_engine_gives_its_memory_back():
         closed = build_and_close()
     growth_mib = (anonymous_rss_bytes() - before) / 2**20
     assert growth_mib < 50, growth_mib
-    assert closed.model is None and closed.kv_cache is None
+    assert closed.core.model is None and closed.core.kv_cache is None
     with pytest.raises(RequestError, match="the engine is closed"):
         closed.add_request([1, 2, 3], GREEDY)
 
@@ -107,7 +107,7 @@ def test_abort_frees_pages_and_spares_the_others(engine, english_prompts, alone)
     assert finished[ids[0]].token_ids == alone[0]
     assert finished[ids[2]].token_ids == alone[2]
     assert ids[1] not in finished
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    assert engine.core.block_manager.num_free_pages == engine.core.block_manager.num_pages
 
 
 def test_eos_and_stop_tokens_end_a_request(engine):
@@ -127,4 +127,4 @@ def test_a_bad_prompt_in_generate_queues_nothing(engine, english_prompts):
     with pytest.raises(RequestError, match="empty"):
         engine.generate([english_prompts[0], []], GREEDY)
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    assert engine.core.block_manager.num_free_pages == engine.core.block_manager.num_pages

@@ -42,7 +42,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def test_hf_folder_round_trip(tmp_path, engine):
     ids = engine.tokenizer.encode("A folder of safetensors holds the same model")
-    save_file(hf_state_dict(engine.model), str(tmp_path / "model.safetensors"))
+    save_file(hf_state_dict(engine.core.model), str(tmp_path / "model.safetensors"))
     config = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
@@ -149,11 +149,11 @@ def test_engines_of_one_gguf_share_its_weights_until_the_last_closes():
     prompt, greedy = [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(weights="fp32", **settings) as first, LLM(weights="fp32", **settings) as second, \
             LLM(weights="native", **settings) as native:
-        assert first.model is second.model and first.kv_cache is not second.kv_cache
-        assert native.model is not first.model
+        assert first.core.model is second.core.model and first.core.kv_cache is not second.core.kv_cache
+        assert native.core.model is not first.core.model
         assert first.generate([prompt], greedy)[0].token_ids == second.generate([prompt], greedy)[0].token_ids
-        weights = weakref.ref(first.model)
+        weights = weakref.ref(first.core.model)
         first.close()
-        assert weights() is second.model
+        assert weights() is second.core.model
     gc.collect()
     assert weights() is None

@@ -49,8 +49,8 @@ def test_bad_budgets_are_rejected():
 
 
 def test_cache_allocates_exactly_what_the_memory_model_says(engine):
-    assert engine.kv_cache.nbytes == engine.kv_cache.expected_nbytes
-    assert engine.kv_cache.num_pages == kv_pages_for_budget(GIB, engine.kv_layout, 16)
+    assert engine.core.kv_cache.nbytes == engine.core.kv_cache.expected_nbytes
+    assert engine.core.kv_cache.num_pages == kv_pages_for_budget(GIB, engine.kv_layout, 16)
 
 
 def test_parameter_count_matches_the_checkpoint(engine, smollm_path):
@@ -58,7 +58,7 @@ def test_parameter_count_matches_the_checkpoint(engine, smollm_path):
 
     reader, _ = _read_gguf(smollm_path)
     assert engine.model_config.total_parameters == sum(int(t.n_elements) for t in reader.tensors)
-    assert engine.model_config.total_parameters == sum(p.numel() for p in engine.model.parameters())
+    assert engine.model_config.total_parameters == sum(p.numel() for p in engine.core.model.parameters())
 
 
 def test_tiling_copies_the_written_pages_over_the_whole_pool_in_order():

@@ -139,7 +139,7 @@ def test_a_fault_on_either_rank_aborts_its_request_everywhere(tiny):
     with LLM(**settings, tensor_parallel=2) as llm:
         for rank in (1, 0):
             assert_campaign_detects(llm, workload, PAGE_FAULTS, trials=2, seed=11 + rank, rank=rank)
-        quarantined = len(llm.block_manager.quarantined)
+        quarantined = len(llm.core.block_manager.quarantined)
         assert quarantined >= 2 * 2          # each rank's bit flips quarantine their page
 
 

@@ -176,5 +176,5 @@ def test_greedy_tokens_identical_with_and_without_caching(conversations, num_pag
     assert not any(uncached)
     assert all(count > 0 for count in cached[3:]), cached           # every later turn reuses its transcript
     assert (with_cache.num_preemptions > 0 and without.num_preemptions > 0) == preempts
-    assert with_cache.block_manager.num_used_pages == 0
-    with_cache.block_manager.check_invariants()
+    assert with_cache.core.block_manager.num_used_pages == 0
+    with_cache.core.block_manager.check_invariants()

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.core.profile_format import PROFILE_VERSION, REGIMES
+from engine.core.step_shape import PROFILE_VERSION, REGIMES
 from engine.harness.profiler import MAX_TIMINGS_PER_PASS, SECONDS_PER_POINT_PER_PASS, Profiler, SweepPlan
 from engine.llm import LLM
 
@@ -44,7 +44,7 @@ def test_a_profile_records_its_points_and_how_attention_reads(profile, small_eng
     assert profile["model"]["decode_padding_page"] == small_engine.config.page_size     # torch decode on a CPU
     assert all(s["median_s"] > 0 and s["achieved_gb_s"] > 0 for s in profile["samples"])
     # seeded decodes read real K/V (a prefill's, tiled over the pool), not never-written zeros
-    for pool in (small_engine.kv_cache.keys, small_engine.kv_cache.values):
+    for pool in (small_engine.core.kv_cache.keys, small_engine.core.kv_cache.values):
         assert bool((pool.float().flatten(2).abs().amax(-1) > 0).all())
 
 
@@ -67,7 +67,7 @@ def test_the_profile_points_can_be_timed_again(profile, small_engine):
         assert profiler.can_remeasure(sample)
         again = profiler.remeasure(sample)
         assert again["kind"] == sample["kind"] and again["batch"] == sample["batch"] and again["median_s"] > 0
-    assert small_engine.block_manager.num_used_pages == 0 and not small_engine.has_unfinished()
+    assert small_engine.core.block_manager.num_used_pages == 0 and not small_engine.has_unfinished()
     too_big = {"kind": "decode", "batch": {"num_decodes": 8, "decode_context_tokens": 8 * 200}}
     assert not profiler.can_remeasure(too_big)      # 8 x 200 tokens > 40 pages of 16
 
@@ -89,7 +89,7 @@ def test_a_speculative_engine_is_also_timed_verifying_drafts():
     own proposer is back afterwards. A profile's verification is timed again only by an engine drafting as many."""
     llm = LLM(model="smollm2-135m", weights="fp32", kv_dtype="bf16", device="cpu", num_pages=60, page_size=16,
               max_num_seqs=8, max_num_batched_tokens=256, integrity="off", speculative="ngram:3")
-    proposer = llm.proposer
+    proposer = llm.core.proposer
     plan = SweepPlan(prefill_tokens=(16,), multi_prefills=(), decode_batches=(1, 3), decode_contexts=(40, 100, 9000),
                      mixed=((2, 40, 24),), warmup=0, repeats=1)
     profile = Profiler(llm, plan).run()
@@ -100,7 +100,7 @@ def test_a_speculative_engine_is_also_timed_verifying_drafts():
     assert verify[1]["batch"] | {"num_verifications": 3, "verification_tokens": 12, "num_decodes": 0,
                                  "prefill_context_tokens": 3 * 43} == verify[1]["batch"]
     assert all("num_verifications" not in s["batch"] for s in profile["samples"] if s["kind"] != "verify")
-    assert llm.proposer is proposer and llm.block_manager.num_used_pages == 0
+    assert llm.core.proposer is proposer and llm.core.block_manager.num_used_pages == 0
     profiler = Profiler(llm, SweepPlan(warmup=0, repeats=1))
     assert profiler.can_remeasure(verify[1]) and profiler.remeasure(verify[1])["batch"] == verify[1]["batch"]
     two_drafts = LLM(model="smollm2-135m", weights="fp32", device="cpu", num_pages=60, speculative="ngram:2")

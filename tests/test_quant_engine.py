@@ -66,7 +66,7 @@ class TestFP8KVCache:
             done = engine_cli("info", "--model", "smollm2-135m", "--kv-dtype", kv, "--memory-gib", "3", "--json")
             pages[kv] = json.loads(done.stdout)["kv_pages"]
         assert pages["fp8"] >= 1.9 * pages["bf16"]
-        assert kv_engines["fp8"].kv_cache.nbytes == kv_engines["fp8"].kv_cache.expected_nbytes
+        assert kv_engines["fp8"].core.kv_cache.nbytes == kv_engines["fp8"].core.kv_cache.expected_nbytes
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_native_int4_perplexity_matches_the_dequantized_model(engine, native_eng
 def test_native_weights_occupy_what_info_reports(native_engine):
     done = engine_cli("info", "--model", "smollm2-135m", "--weights", "native", "--json")
     payload = json.loads(done.stdout)
-    assert linear_weight_bytes(native_engine.model) == payload["linear_weight_bytes"]
+    assert linear_weight_bytes(native_engine.core.model) == payload["linear_weight_bytes"]
     by_dtype = payload["weight_bytes_by_dtype"]
     assert by_dtype["native"]["linear"] <= 0.32 * by_dtype["bf16"]["linear"]
 

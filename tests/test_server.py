@@ -63,7 +63,7 @@ def wait_idle(served, timeout_s: float = 60.0) -> dict[str, float]:
 
 
 def quarantined(served) -> int:
-    return len(served["llm"].block_manager.quarantined)
+    return served["llm"].stats().quarantined_pages
 
 
 def test_health_models_and_metrics(served):
@@ -329,7 +329,7 @@ def test_cache_salt_separates_tenants(served):
                                                    extra_body={"cache_salt": salt, "ignore_eos": True})
         usages[name] = result.usage
         texts.add(result.choices[0].text)
-    page_size = served["llm"].block_manager.page_size
+    page_size = served["llm"].config.page_size
     full_pages = (usages["a"].prompt_tokens - 1) // page_size * page_size
     assert usages["a"].prompt_tokens_details.cached_tokens == 0
     assert usages["a again"].prompt_tokens_details.cached_tokens == full_pages > 0

@@ -102,8 +102,8 @@ def _run(llm: LLM, prompts, params) -> list[list[int]]:
     outputs = {}
     while llm.has_unfinished():
         outputs.update((r.request_id, r.token_ids) for r in llm.step())
-        llm.block_manager.check_invariants()
-    assert llm.block_manager.num_used_pages == 0
+        llm.core.block_manager.check_invariants()
+    assert llm.core.block_manager.num_used_pages == 0
     return [outputs[request_id] for request_id in ids]
 
 
@@ -119,7 +119,7 @@ def test_greedy_tokens_are_those_of_plain_decoding(engine, options):
     reference = [result.token_ids for result in engine.generate(prompts, params)]
     llm = LLM(model="smollm2-135m", device="cpu", speculative="ngram:4", **options)
     assert _run(llm, prompts, params) == reference
-    assert llm.num_draft_tokens > 0 and llm.acceptance_rate > 0.2
+    assert llm.stats().draft_tokens > 0 and llm.acceptance_rate > 0.2
     if "num_pages" in options:
         assert llm.num_preemptions > 0
 
@@ -144,7 +144,7 @@ def test_the_fault_campaign_with_drafts(english_prompts):
     llm = LLM(model="smollm2-135m", device="cpu", page_size=8, num_pages=400, speculative="ngram:3",
               max_num_batched_tokens=96)
     assert_campaign_detects(llm, (prompts, params), OWNERSHIP_FAULTS, 1, seed=9)
-    assert llm.num_draft_tokens > 0
+    assert llm.stats().draft_tokens > 0
 
 
 def test_the_server_counts_drafts_like_vllm(tmp_path):
@@ -167,11 +167,11 @@ def test_the_server_counts_drafts_like_vllm(tmp_path):
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
             values = {sample.name: sample.value for family in text_string_to_metric_families(response.read().decode())
                       for sample in family.samples}
-    assert values["kvplan_spec_decode_num_draft_tokens_total"] == llm.num_draft_tokens > 0
-    assert values["kvplan_spec_decode_num_accepted_tokens_total"] == llm.num_accepted_tokens > 0
+    assert values["kvplan_spec_decode_num_draft_tokens_total"] == llm.stats().draft_tokens > 0
+    assert values["kvplan_spec_decode_num_accepted_tokens_total"] == llm.stats().accepted_tokens > 0
     steps = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert sum(step.get("drafts", 0) for step in steps) == llm.num_draft_tokens      # the step trace has them too
-    assert sum(step.get("accepted", 0) for step in steps) == llm.num_accepted_tokens
+    assert sum(step.get("drafts", 0) for step in steps) == llm.stats().draft_tokens      # the step trace has them too
+    assert sum(step.get("accepted", 0) for step in steps) == llm.stats().accepted_tokens
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_mtp_cache_written_step_by_step_is_the_one_of_a_whole_prompt(mtp_config)
     while stepped.has_unfinished():
         for result in stepped.step():
             tokens = result.token_ids
-        entry = stepped.runner.mtp_drafts._drafts.get(request)
+        entry = stepped.core.executor.mtp_drafts._drafts.get(request)
         if entry is not None:
             drafts[entry[0]] = entry[1]
     assert tokens is not None and len(drafts) >= 10
@@ -229,7 +229,7 @@ def test_mtp_cache_written_step_by_step_is_the_one_of_a_whole_prompt(mtp_config)
         seq_id = whole.add_request(known, SamplingParams(max_tokens=2, ignore_eos=True))
         while whole.has_unfinished():
             whole.step()
-            entry = whole.runner.mtp_drafts._drafts.get(seq_id)
+            entry = whole.core.executor.mtp_drafts._drafts.get(seq_id)
             if entry is not None and entry[0] == computed:
                 break
         assert entry == (computed, drafts[computed])
@@ -252,7 +252,7 @@ def test_the_fault_campaign_with_mtp_drafts(mtp_config):
     llm = LLM(model=mtp_config, device="cpu", page_size=8, num_pages=300, speculative="mtp:1",
               max_num_batched_tokens=64)
     assert_campaign_detects(llm, (prompts, params), OWNERSHIP_FAULTS, 1, seed=12)
-    assert llm.num_draft_tokens > 0
+    assert llm.stats().draft_tokens > 0
 
 
 def test_chained_mtp_drafts_are_those_of_a_whole_prompt(mtp_config):
@@ -265,7 +265,7 @@ def test_chained_mtp_drafts_are_those_of_a_whole_prompt(mtp_config):
     while stepped.has_unfinished():
         for result in stepped.step():
             tokens = result.token_ids
-        for item in stepped.last_output.chunks:
+        for item in stepped.last_step.chunks:
             if item.drafts:
                 verified[item.start] = item.drafts
     assert tokens is not None and len(verified) >= 3
@@ -277,5 +277,5 @@ def test_chained_mtp_drafts_are_those_of_a_whole_prompt(mtp_config):
         first = None
         while first is None and whole.has_unfinished():
             whole.step()
-            first = next((item.drafts for item in whole.last_output.chunks if item.drafts), None)
+            first = next((item.drafts for item in whole.last_step.chunks if item.drafts), None)
         assert first == verified[start][:len(first)] and len(first) == len(verified[start])

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import ConfigError
-from engine.core.memory import FLOAT_DTYPES, INT4_GROUP_SIZES
+from engine.core.memory import FLOAT_DTYPES, GIB, INT4_GROUP_SIZES, kv_bytes_per_token, kv_pages_for_budget
 from engine.core.speculative import SpeculativeConfig
 
 KV_DTYPES = (*FLOAT_DTYPES, "fp8")
 WEIGHT_DTYPES = (*FLOAT_DTYPES, "fp8", "int4", "native")
 INTEGRITY_MODES = ("off", "ownership", "full")
+CPU_DEFAULT_KV_GIB = 1.0
+
+if TYPE_CHECKING:
+    from engine.core.memory import KVLayout
 
 
 def _require(condition: bool, message: str) -> None:
@@ -79,6 +83,10 @@ class EngineConfig:
     tensor_parallel: int = 1
     expert_parallel: bool = False           # routed experts dealt out whole over the tensor-parallel ranks
     speculative: str | None = None          # speculative decoding, "ngram:K" (engine.core.speculative)
+    # CUDA: decode steps replay graphs captured at start-up for batches up to `max_graph_batch` (default
+    # `max_num_seqs`); `enforce_eager` runs every step eagerly
+    enforce_eager: bool = False
+    max_graph_batch: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.integrity in INTEGRITY_MODES,
@@ -102,11 +110,13 @@ class EngineConfig:
             _positive_int("num_pages", self.num_pages)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        for name in ("num_threads", "num_layers", "num_experts"):
+        for name in ("num_threads", "num_layers", "num_experts", "max_graph_batch"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         _require(isinstance(self.enable_prefix_caching, bool),
                  f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        _require(isinstance(self.enforce_eager, bool),
+                 f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         _require(isinstance(self.expert_parallel, bool),
                  f"expert_parallel must be true or false, got {self.expert_parallel!r}")
         if self.speculative is not None:
@@ -129,3 +139,23 @@ class EngineConfig:
     def resolved_kv_dtype(self, on_gpu: bool) -> str:
         """The KV cache is stored in the compute dtype unless told otherwise."""
         return self.kv_dtype or self.resolved_compute_dtype(on_gpu)
+
+    def kv_pool_pages(self, layout: KVLayout, device_memory: tuple[int, int] | None = None) -> int:
+        """The KV pool's size in pages, decided here and nowhere else (every rank holds as many): `num_pages` if
+        given, else the pages of `kv_cache_gib`, else on a GPU (`device_memory`: its free and total bytes now, the
+        weights loaded) what `gpu_memory_utilization` leaves beside what is in use, else `CPU_DEFAULT_KV_GIB`.
+        ConfigError if that holds no page."""
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.kv_cache_gib is not None:
+            budget = int(self.kv_cache_gib * GIB)
+        elif device_memory is not None:
+            free, total = device_memory
+            budget = max(0, int(total * self.gpu_memory_utilization) - (total - free))
+        else:
+            budget = int(CPU_DEFAULT_KV_GIB * GIB)
+        pages = kv_pages_for_budget(budget, layout, self.page_size)
+        if pages <= 0:
+            raise ConfigError(f"the KV budget holds no page of {self.page_size} tokens "
+                              f"({kv_bytes_per_token(layout)} bytes per token)")
+        return pages

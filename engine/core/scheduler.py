@@ -46,7 +46,8 @@ class ScheduledSequence:
     A plain slotted class, not a dataclass: hundreds are made per step.
     """
 
-    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples", "drafts", "num_accepted")
+    __slots__ = ("seq", "start", "num_new_tokens", "end", "samples", "drafts", "num_accepted", "block_table", "leases",
+                 "first_new_page")
 
     def __init__(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool | None = None,
                  drafts: tuple[int, ...] = ()) -> None:
@@ -58,6 +59,27 @@ class ScheduledSequence:
         self.samples = (self.end == seq.num_tokens or bool(drafts)) if samples is None else samples
         self.drafts = drafts
         self.num_accepted = 0
+        # the engine's steps only (`Scheduler.schedule_with_tables`): what the runner reads instead of the manager
+        self.block_table: list[int] = []
+        self.leases: list[int] = []         # the epoch at which the sequence got each page of its table
+        self.first_new_page = 0             # table index of the first page this step starts writing
+
+    def take_tables(self, manager: BlockManager) -> ScheduledSequence:
+        """Copies the sequence's block table and leases as they are for this step."""
+        seq_id = self.seq.seq_id
+        self.block_table, self.leases = manager.block_table(seq_id), manager.leases(seq_id)
+        self.first_new_page = -(-self.start // manager.page_size)
+        return self
+
+    def tables_of(self, other: ScheduledSequence) -> ScheduledSequence:
+        """The tables another item of the same sequence and step took (a pass of drafting over it)."""
+        self.block_table, self.leases, self.first_new_page = other.block_table, other.leases, other.first_new_page
+        return self
+
+    @property
+    def new_pages(self) -> list[int]:
+        """The pages this step writes first: granted for it, or a prompt chunk's not reached before."""
+        return self.block_table[self.first_new_page:]
 
     def __repr__(self) -> str:
         drafts = f", drafts={len(self.drafts)}" if self.drafts else ""
@@ -110,7 +132,8 @@ class SchedulerOutput:
         kept = [(seq, start) for seq, start in zip(self.decodes, self.decode_starts) if not seq.is_finished]
         self.decodes, self.decode_starts = [seq for seq, _ in kept], [start for _, start in kept]
         self.chunks = [item for item in self.chunks if not item.seq.is_finished]
-        self._scheduled = None
+        if self._scheduled is not None:         # the items made: kept, with the tables they carry
+            self._scheduled = [item for item in self._scheduled if not item.seq.is_finished]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -216,6 +239,14 @@ class Scheduler:
             budget -= num_new
         if not (out.preempted or self.waiting):
             self._admit_arrivals(out, budget)
+        return out
+
+    def schedule_with_tables(self) -> SchedulerOutput:
+        """The engine's `schedule`: every item of the batch carries its block table, leases and new pages, so that
+        the step's runner never reads the block manager (the simulator, which runs no model, skips the copies)."""
+        out = self.schedule()
+        for item in out.scheduled:
+            item.take_tables(self.block_manager)
         return out
 
     def _admit_arrivals(self, out: SchedulerOutput, budget: int) -> None:

@@ -1,30 +1,17 @@
-"""The worker side of fault injection: a fault rank 0 sends with a plan (`WorkerFault`), and `strike`, which a
-worker rank applies to its own state: its record of page owners (use_after_free, double_allocation), its copy of
+"""The worker side of fault injection: `strike`, which a worker rank applies to its own state when rank 0 sends a
+fault with a plan (`engine.executor.step_plan.WorkerFault`): its record of page owners (use_after_free, double_allocation), its copy of
 the plan's tables (foreign_page, page_out_of_range), its shard of the KV pool (bit_flip) or its scales
 (fp8_scale). Choosing the faults and running the campaign is `engine.harness.fault_campaign`.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 
 from engine.executor.integrity import FREE, PageRecord
-from engine.executor.step_plan import StepPlan
+from engine.executor.step_plan import StepPlan, WorkerFault
 from engine.model.kv_cache import PagedKVCache
-
-
-@dataclass(frozen=True)
-class WorkerFault:
-    """A fault for worker `rank` to strike on its own state, in the first step where it can."""
-
-    rank: int
-    kind: str
-    seq_id: int         # the victim (-1 for fp8_scale: every holder)
-    page: int           # the victim's page the fault concerns
-    value: int          # foreign_page / page_out_of_range: the page written over `page`; double_allocation: the
-                        # second owner; bit_flip / fp8_scale: the seed that picks the bit or the scale
 
 
 def strike(fault: WorkerFault, plan: StepPlan, record: PageRecord, kv_cache: PagedKVCache) -> bool:

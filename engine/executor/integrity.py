@@ -41,15 +41,15 @@ from engine.core.config import INTEGRITY_MODES
 from engine.core.memory import pages_filled, pages_written
 from engine.core.scheduler import ScheduledSequence
 from engine.executor.step_plan import StepPlan
+from engine.kernels.reference import HOLDER_SHIFT, OWNERSHIP_FLAG, SHARED_OWNER, SHARED_WRITE_FLAG
 from engine.model.kv_cache import PagedKVCache
 from engine.parallel.group import TensorGroup
 
 FREE = -1
-SHARED = -2
-HOLDER_SHIFT = 32
+SHARED = SHARED_OWNER
 CHECKSUM_CHUNK_PAGES = 64
-KIND_CODES = {"ownership": 1, "checksum": 2, "shared_write": 3, "freed_held": 4,
-              "fp8_scale": 5}       # the agreement's encoding; the worst wins
+KIND_CODES = {"ownership": OWNERSHIP_FLAG, "checksum": 2, "shared_write": SHARED_WRITE_FLAG, "freed_held": 4,
+              "fp8_scale": 5}       # the agreement's encoding (the device check's flags too); the worst wins
 KINDS = {code: kind for kind, code in KIND_CODES.items()}
 # a record update: (page, owner, epoch, position, holders who joined, holders who left, reset)
 Update = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], bool]
@@ -457,14 +457,13 @@ class IntegrityChecker(PageRecord):
         return super().holders()
 
     def check(self, items: list[ScheduledSequence]) -> list[Violation]:
-        """Checks the step's block tables (and in `full` mode their sealed pages) before the step runs, and the
-        pages it writes into."""
+        """Checks the step's block tables, as its items carry them (and in `full` mode their sealed pages), before
+        the step runs, and the pages it writes into."""
         self._flush()
-        manager, page_size = self.block_manager, self.block_manager.page_size
-        tables = [(item.seq.seq_id, manager.block_table(item.seq.seq_id), manager.leases(item.seq.seq_id))
-                  for item in items]
-        writes = [(seq_id, page) for item, (seq_id, table, _) in zip(items, tables)
-                  for page in pages_written(table, item.start, item.end, page_size)]
+        page_size = self.block_manager.page_size
+        tables = [(item.seq.seq_id, item.block_table, item.leases) for item in items]
+        writes = [(item.seq.seq_id, page) for item in items
+                  for page in pages_written(item.block_table, item.start, item.end, page_size)]
         return self.check_tables(tables, writes)
 
     def seal(self, items: list[ScheduledSequence]) -> None:
@@ -473,8 +472,8 @@ class IntegrityChecker(PageRecord):
             return
         self._flush()
         page_size = self.block_manager.page_size
-        self.seal_pages([page for item in items for page in pages_filled(
-            self.block_manager.block_table(item.seq.seq_id), item.start, item.end, page_size)])
+        self.seal_pages([page for item in items
+                         for page in pages_filled(item.block_table, item.start, item.end, page_size)])
 
 
 def agree(group: TensorGroup, plan: StepPlan, found: list[Violation]) -> dict[int, Violation]:

@@ -14,7 +14,7 @@ from engine.executor.step_plan import StepPlan
 from engine.model.architectures.base import DecoderModel
 from engine.model.kv_cache import PagedKVCache
 
-UNDRAFTED = -1      # a draft slot the step fills by chaining the module (`ModelRunner._chain_mtp`)
+UNDRAFTED = -1      # a draft slot the step fills by chaining the module (`StepExecutor._chain_mtp`)
 
 
 class MTPDrafts:
@@ -57,8 +57,8 @@ def mtp_rows(items: list[ScheduledSequence], plan: StepPlan, sampled: dict[int, 
             tokens.append(sampled[seq.seq_id])
         else:                                   # a prompt chunk short of the prompt's end: its next prompt token
             tokens.extend(seq.token_ids_between(item.end, item.end + 1))
-        groups.append((list(range(row, row + count)), ScheduledSequence(seq, item.start, count, seq.seq_id in sampled),
-                       tokens))
+        kept = ScheduledSequence(seq, item.start, count, seq.seq_id in sampled).tables_of(item)
+        groups.append((list(range(row, row + count)), kept, tokens))
         row += planned
     groups.sort(key=lambda group: not group[1].is_decode)
     return ([r for rows, _, _ in groups for r in rows], [kept for _, kept, _ in groups],

@@ -24,14 +24,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [B, vocab] float32 → one token id per row."""
-    tokens = logits.argmax(dim=-1).tolist()
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: [B, vocab] float32 → one token id per row, left on the logits' device: the step reads them (and the
+    integrity flags beside them) in one copy."""
+    tokens = logits.argmax(dim=-1)
     for row, (row_params, generator) in enumerate(zip(params, generators)):
         if row_params.greedy:
             continue
         probs = filter_logits(logits[row], row_params).softmax(-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
+        tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     return tokens
 
 

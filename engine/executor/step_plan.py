@@ -10,12 +10,21 @@ items everywhere when one rank finds a violation (`without`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from engine.core.memory import pages_filled
 
-if TYPE_CHECKING:
-    from engine.executor.faults import WorkerFault
+
+@dataclass(frozen=True)
+class WorkerFault:
+    """Fault injection: a fault for worker `rank` to strike on its own state in the first step where it can
+    (`engine.executor.faults.strike`); it travels with a plan."""
+
+    rank: int
+    kind: str
+    seq_id: int         # the victim (-1 for fp8_scale: every holder)
+    page: int           # the victim's page the fault concerns
+    value: int          # foreign_page / page_out_of_range: the page written over `page`; double_allocation: the
+                        # second owner; bit_flip / fp8_scale: the seed that picks the bit or the scale
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
-from engine.executor.faults import WorkerFault
+from engine.executor.step_plan import WorkerFault
 from engine.llm import LLM
 
 PAGE_FAULTS = ("use_after_free", "foreign_page", "double_allocation", "page_out_of_range", "bit_flip", "fp8_scale")
@@ -50,20 +50,21 @@ class Fault:
 
 
 def _holders(llm: LLM) -> list[Sequence]:
-    return [seq for seq in llm.scheduler.running if llm.block_manager.num_slots(seq.seq_id)]
+    return [seq for seq in llm.core.scheduler.running if llm.core.block_manager.num_slots(seq.seq_id)]
 
 
 def _full_pages(llm: LLM, seq: Sequence) -> list[int]:
-    return llm.block_manager.block_table(seq.seq_id)[:seq.num_computed_tokens // llm.block_manager.page_size]
+    manager = llm.core.block_manager
+    return manager.block_table(seq.seq_id)[:seq.num_computed_tokens // manager.page_size]
 
 
 def _holding(llm: LLM, page: int) -> list[Sequence]:
     """The running requests whose tables name the page."""
-    return [seq for seq in _holders(llm) if page in llm.block_manager.block_table(seq.seq_id)]
+    return [seq for seq in _holders(llm) if page in llm.core.block_manager.block_table(seq.seq_id)]
 
 
 def _inject_sharing(llm: LLM, kind: str, rng: random.Random, holders: list[Sequence]) -> Fault | None:
-    manager = llm.block_manager
+    manager = llm.core.block_manager
     if kind == "shared_write":
         writing = [seq for seq in holders if manager.num_slots(seq.seq_id) % manager.page_size]
         if not writing:
@@ -100,14 +101,14 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
             raise ValueError(f"fault {kind!r} strikes rank 0's allocator; a worker rank takes "
                              f"{', '.join(WORKER_FAULTS)}")
         return _inject_on_worker(llm, kind, rng, rank)
-    manager = llm.block_manager
+    manager = llm.core.block_manager
     holders = _holders(llm)
     if kind in SHARING_FAULTS:
         return _inject_sharing(llm, kind, rng, holders)
     if kind == "fp8_scale":
-        if not llm.kv_cache.is_fp8 or not holders:
+        if not llm.core.kv_cache.is_fp8 or not holders:
             return None
-        scales = llm.kv_cache.scales[0]
+        scales = llm.core.kv_cache.scales[0]
         scales[rng.randrange(scales.shape[0]), rng.randrange(scales.shape[1])] *= 2.0
         return _fault(kind, holders, None)
     if kind == "bit_flip":
@@ -116,7 +117,7 @@ def inject(llm: LLM, kind: str, rng: random.Random, rank: int = 0) -> Fault | No
             return None
         victim = rng.choice(sealed)
         page = rng.choice(_full_pages(llm, victim))
-        pool = rng.choice(llm.kv_cache.pools)
+        pool = rng.choice(llm.core.kv_cache.pools)
         page_bytes = pool.view(torch.uint8)[rng.randrange(pool.shape[0]), page].view(-1)
         page_bytes[rng.randrange(page_bytes.numel())] ^= 1 << rng.randrange(8)
         return _fault(kind, _holding(llm, page), page)
@@ -156,27 +157,27 @@ def _inject_on_worker(llm: LLM, kind: str, rng: random.Random, rank: int) -> Fau
     holders = _holders(llm)
     seed = rng.randrange(1 << 31)
     if kind == "fp8_scale":
-        if not llm.kv_cache.is_fp8 or not holders:
+        if not llm.core.kv_cache.is_fp8 or not holders:
             return None
-        llm.runner.worker_fault = WorkerFault(rank, kind, -1, -1, seed)
+        llm.core.executor.worker_fault = WorkerFault(rank, kind, -1, -1, seed)
         return _fault(kind, holders, None)
     candidates = [seq for seq in holders if _full_pages(llm, seq)] if kind == "bit_flip" else holders
     if not candidates or (kind in ("foreign_page", "double_allocation") and len(holders) < 2):
         return None
     victim = rng.choice(candidates)
-    table = llm.block_manager.block_table(victim.seq_id)
+    table = llm.core.block_manager.block_table(victim.seq_id)
     page = rng.choice(_full_pages(llm, victim) if kind == "bit_flip" else table)
     others = [seq for seq in holders if seq is not victim]
-    num_pages = llm.block_manager.num_pages
+    num_pages = llm.core.block_manager.num_pages
     if kind == "foreign_page":
-        value = rng.choice(llm.block_manager.block_table(rng.choice(others).seq_id))
+        value = rng.choice(llm.core.block_manager.block_table(rng.choice(others).seq_id))
     elif kind == "double_allocation":
         value = rng.choice(others).seq_id
     elif kind == "page_out_of_range":
         value = rng.choice((-1 - rng.randrange(num_pages), num_pages + rng.randrange(num_pages)))
     else:
         value = seed
-    llm.runner.worker_fault = WorkerFault(rank, kind, victim.seq_id, page, value)
+    llm.core.executor.worker_fault = WorkerFault(rank, kind, victim.seq_id, page, value)
     return _fault(kind, [victim], page)
 
 
@@ -209,7 +210,7 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     outputs: dict[int, list[int]] = {}
     finish: dict[int, str] = {}
     fault, step = None, 0
-    detections = llm.integrity_detections
+    detections = llm.stats().integrity_detections
     strike_at = earliest_step + rng.randrange(4)
     while llm.has_unfinished():
         for result in llm.step():
@@ -217,7 +218,7 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
         step += 1
         if fault is None and step >= strike_at and llm.has_unfinished():
             fault = inject(llm, kind, rng, rank)
-    manager = llm.block_manager
+    manager = llm.core.block_manager
     leaked = manager.num_pages - manager.num_free_pages - len(manager.quarantined)
     if fault is None:
         return TrialResult(None, False, True, 0, leaked)
@@ -225,7 +226,7 @@ def run_trial(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], 
     detected = all(finish[seq_id] == FinishReason.INTEGRITY_ERROR.value for seq_id in victims)
     if fault.probe is not None:
         probe, source = fault.probe
-        detected = llm.integrity_detections > detections and outputs[probe] == reference[ids.index(source)]
+        detected = llm.stats().integrity_detections > detections and outputs[probe] == reference[ids.index(source)]
     clean = all(len(outputs[seq_id]) <= fault.tokens_at_fault[seq_id] for seq_id in victims)
     harmed = sum(1 for seq_id, expected in zip(ids, reference)
                  if seq_id not in victims and outputs[seq_id] != expected)
@@ -236,4 +237,4 @@ def crash_worker(llm: LLM, rank: int) -> None:
     """Makes tensor-parallel worker `rank` raise in the next step, as a bug or a lost device would: the engine
     must end with that worker's error, not hang."""
     _check_worker_rank(llm, rank)
-    llm.runner.fail_rank = rank
+    llm.core.executor.fail_rank = rank

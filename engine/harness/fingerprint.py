@@ -1,6 +1,6 @@
 """What a profile says about where it was measured: the device and its measured peaks (copy bandwidth, matmul
 FLOP/s), the engine's configuration, and the model's shape and per-step costs, in the fields the planner reads
-(`engine.core.profile_format`)."""
+(`engine.core.step_shape`)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ from engine.core.memory import (
     kv_bytes_per_token,
     tensor_parallel_traffic,
 )
-from engine.core.profile_format import engine_version
+from engine.core.step_shape import engine_version
 from engine.kernels.backend import use_triton
 from engine.llm import LLM
 from engine.model.layers.moe import GroupedExperts
@@ -107,18 +107,18 @@ def fingerprint(llm: LLM) -> dict[str, Any]:
         "weights": llm.config.weights,
         "group_size": llm.config.group_size if llm.config.weights == "int4" else None,
         "kv_dtype": llm.kv_layout.dtype,
-        "compute_dtype": llm.compute_dtype,
+        "compute_dtype": llm.core.compute_dtype,
         "integrity": llm.config.integrity,
         "page_size": llm.config.page_size,
         "tensor_parallel": llm.config.tensor_parallel,
         "expert_parallel": llm.config.expert_parallel,
-        **measure_peaks(llm.device, next(llm.model.parameters()).dtype),
+        **measure_peaks(llm.device, next(llm.core.model.parameters()).dtype),
     }
 
 
 def model_section(llm: LLM) -> dict[str, Any]:
     config = llm.model_config
-    head = llm.model.head_weight
+    head = llm.core.model.head_weight
     return {
         "name": config.name, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
         "intermediate_size": config.ffn.dense_intermediate, "num_heads": config.attention.num_heads,
@@ -126,9 +126,9 @@ def model_section(llm: LLM) -> dict[str, Any]:
         "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings, "num_parameters": config.total_parameters,
         "num_linear_parameters": config.decoder_linear_parameters,
-        "linear_weight_bytes": linear_weight_bytes(llm.model),
+        "linear_weight_bytes": linear_weight_bytes(llm.core.model),
         "head_weight_bytes": head.nbytes,
-        "weight_bytes": sum(t.nbytes for t in llm.model.state_dict().values()),
+        "weight_bytes": sum(t.nbytes for t in llm.core.model.state_dict().values()),
         "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
         "kernels_per_step": config.kernels_per_step(llm.config.tensor_parallel),
         # a step of more rows than this widens every quantized weight: written, then read by the matmul
@@ -149,7 +149,7 @@ def _collective_fields(llm: LLM) -> dict[str, Any]:
         return {}
     config = llm.model_config
     traffic = tensor_parallel_traffic(config.num_layers, config.hidden_size, config.vocab_size, ranks,
-                                      dtype_bytes(llm.compute_dtype))
+                                      dtype_bytes(llm.core.compute_dtype))
     return {"tensor_parallel": ranks, "collective_calls_per_step": traffic.calls_per_step,
             "allreduce_bytes_per_token": traffic.allreduce_bytes_per_token,
             "gather_bytes_per_sequence": traffic.gather_bytes_per_sequence}
@@ -170,7 +170,7 @@ def _cost_fields(llm: LLM) -> dict[str, Any]:
     if config.attention.index_topk:      # this engine's prefill attends under a selection mask: densely
         fields |= {"index_topk": config.attention.index_topk, "indexer_bytes_per_token": indexer_bytes_per_token(
             llm.kv_layout), "indexer_flops_per_pair": config.indexer_flops_per_pair, "sparse_prefill": False}
-    experts = routed_experts(llm.model)
+    experts = routed_experts(llm.core.model)
     if experts:
         ffn, local = config.ffn, experts[0].num_experts         # under expert parallelism: this rank's share
         allocated = sum(t.nbytes for module in experts for t in [*module.parameters(), *module.buffers()])

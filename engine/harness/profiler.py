@@ -20,7 +20,7 @@ The profile is a versioned JSON document:
 Under tensor parallelism the times are rank 0's: its share of the work, and the collectives that wait for the
 others (rank 0's time inside them, and the bytes it sent, per step).
 
-`batch` holds the counts the planner's step model reads (`engine.core.profile_format.batch_shape`).
+`batch` holds the counts the planner's step model reads (`engine.core.step_shape.batch_shape`).
 
 An engine with prompt-lookup speculation (`--speculative ngram:K`) is also timed verifying: B sequences at a
 context, each checking K drafts a step (`verify` samples), at every decode batch and the shortest and longest
@@ -46,9 +46,9 @@ from engine.core.errors import ConfigError
 from engine.core.memory import (
     pages_for_tokens,
 )
-from engine.core.profile_format import PROFILE_VERSION, batch_shape, bytes_moved
 from engine.core.scheduler import SchedulerOutput
 from engine.core.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.core.step_shape import PROFILE_VERSION, batch_shape, bytes_moved
 from engine.harness.fingerprint import fingerprint, model_section, routed_experts, synchronize
 from engine.llm import LLM
 from engine.model.quantized_linear import Fp8Linear, Int4Linear
@@ -178,10 +178,8 @@ class Profiler:
         seq_id = self.llm.add_request(self._tokens(tokens), SamplingParams(max_tokens=2, ignore_eos=True),
                                       next(self._salts))
         self.llm.step()                                  # the prefill writes K/V; the sequence still runs
-        written = self.llm.block_manager.block_table(seq_id)[:tokens // page]
-        self.llm.kv_cache.tile(written)
-        if self.llm.workers is not None:             # every rank's shard of the pool, from its own K/V
-            self.llm.workers.tile_kv(written)
+        written = self.llm.core.block_manager.block_table(seq_id)[:tokens // page]
+        self.llm.core.tile_kv(written)              # every rank's shard of the pool, from its own K/V
         self._clear()
         self._pool_holds_real_kv = True
 
@@ -194,15 +192,15 @@ class Profiler:
             seq = Sequence(self._tokens(context), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                            cache_salt=next(self._salts))
             seq.publishes_eagerly = False       # its pages hold tiled K/V, not its tokens': never to be found
-            self.llm.block_manager.allocate(seq.seq_id, context - 1)
+            self.llm.core.block_manager.allocate(seq.seq_id, context - 1)
             seq.num_computed_tokens = context - 1
             seq.status = SequenceStatus.RUNNING
-            self.llm.scheduler.running.append(seq)
+            self.llm.core.scheduler.running.append(seq)
             seqs.append(seq)
         return seqs
 
     def _clear(self) -> None:
-        for seq in list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting):
+        for seq in list(self.llm.core.scheduler.running) + list(self.llm.core.scheduler.waiting):
             self.llm.abort(seq.seq_id)
 
     def _seconds(self, run: Callable[[], Any]) -> float:
@@ -213,18 +211,18 @@ class Profiler:
         return time.perf_counter() - start
 
     def _timed_step(self) -> tuple[float, SchedulerOutput]:
-        stats = self.llm.model.group.stats
+        stats = self.llm.core.model.group.stats
         seconds, moved = stats.seconds, stats.bytes
         elapsed = self._seconds(self.llm.step)
         self._step_collectives.append((stats.seconds - seconds, stats.bytes - moved))
-        return elapsed, self.llm.last_output
+        return elapsed, self.llm.last_step
 
     def _record(self, kind: str, times: list[float], output: SchedulerOutput) -> dict[str, Any]:
         """The sample of the timed steps; under tensor parallelism also the median time rank 0 spent in
         collectives in one of them, and the bytes it sent into them (the same in every repetition)."""
         sample = self._sample(kind, batch_shape(output, self.llm.model_config.attention.index_topk), times)
         timed, self._step_collectives = self._step_collectives[-len(times):], []
-        if self.llm.model.group.size > 1:
+        if self.llm.core.model.group.size > 1:
             sample["collective_s"] = round(statistics.median(seconds for seconds, _ in timed), 7)
             sample["collective_bytes"] = timed[-1][1]
         return sample
@@ -342,11 +340,11 @@ class Profiler:
     def _drafting(self, proposer: RepeatDrafts | None) -> Iterator[None]:
         """The engine's proposer swapped for the point's: none for plain steps (a speculative engine's prefill,
         decode and mixed points time what an engine without drafts runs), `RepeatDrafts` for verifications."""
-        kept, self.llm.proposer = self.llm.proposer, proposer
+        kept, self.llm.core.proposer = self.llm.core.proposer, proposer
         try:
             yield
         finally:
-            self.llm.proposer = kept
+            self.llm.core.proposer = kept
 
     def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
         with self._drafting(None):
@@ -385,7 +383,7 @@ class Profiler:
 
     def _linear_layers(self) -> list[torch.nn.Module]:
         kinds = (torch.nn.Linear, Int4Linear, Fp8Linear)
-        return [module for module in self.llm.model.layers.modules() if isinstance(module, kinds)]
+        return [module for module in self.llm.core.model.layers.modules() if isinstance(module, kinds)]
 
     def linear_runs(self, max_rows: int, max_head_rows: int) -> LinearRuns:
         """Runs of all the decoder's linear layers, and of the output head, at each row count up to the
@@ -394,7 +392,7 @@ class Profiler:
         rows in 1.3x), which no formula of bytes and FLOPs says; the step model reads these instead. Each
         layer's output is dropped before the next runs, as a forward pass frees it."""
         layers = self._linear_layers()
-        dtype = next(self.llm.model.parameters()).dtype
+        dtype = next(self.llm.core.model.parameters()).dtype
         hidden = self.llm.model_config.hidden_size
 
         def decoder(count: int) -> Callable[[], None]:
@@ -408,7 +406,8 @@ class Profiler:
 
         def head(count: int) -> Callable[[], None]:
             states = torch.randn(count, hidden, dtype=dtype, device=self.llm.device)
-            return lambda: self.llm.model.local_logits(states)     # a rank's share: the gather is communication
+            model = self.llm.core.model
+            return lambda: model.local_logits(states)     # a rank's share: the gather is communication
 
         rows, head_rows = _rows_up_to(max_rows), _rows_up_to(max_head_rows)
         return LinearRuns(rows, head_rows, [decoder(r) for r in rows] + [head(r) for r in head_rows])
@@ -467,7 +466,7 @@ class Profiler:
         # others' are timed within the passes, spread between the steps: timed after the sweep, a slow minute
         # of the machine then fell on the table alone (1.9-3.4 s at 1024 rows in ten profiles of one engine,
         # whose whole prefill of 1024 tokens took 2.5-3.3 s) and the fit had to bend every term to it.
-        linears = None if routed_experts(self.llm.model) else self.linear_runs(*self.planned_rows())
+        linears = None if routed_experts(self.llm.core.model) else self.linear_runs(*self.planned_rows())
         runs = linears.runs if linears else []
         runs_after = [[run for run in range(len(runs)) if run * len(jobs) // len(runs) == index]
                       for index in range(len(jobs))]
@@ -492,8 +491,9 @@ class Profiler:
         self.samples = [_merged(self._sample(timed[0]["kind"], timed[0]["batch"],
                                              [t for s in timed for t in s["times_s"]]), timed)
                         for timed in zip(*passes)]
-        if self.llm.workers is not None:
-            self.collectives = self.llm.workers.time_collectives(COLLECTIVE_SIZES, COLLECTIVE_REPEATS, self.llm.device)
+        if self.llm.core.ranks is not None:
+            self.collectives = self.llm.core.ranks.time_collectives(COLLECTIVE_SIZES, COLLECTIVE_REPEATS,
+                                                                    self.llm.device)
         for (label, _), sample in zip(jobs, self.samples):
             bar.write(f"{label:40s} {sample['median_s'] * 1e3:10.2f} ms  {sample['achieved_gb_s']:8.2f} GB/s",
                       file=sys.stderr)      # tqdm writes to stdout unless told: --json owns stdout

@@ -104,11 +104,11 @@ def _step(llm: LLM, now: float, result: PairResult, index_of: dict[tuple[str, in
     started = time.perf_counter()
     finished = llm.step()
     end = now + time.perf_counter() - started
-    output = llm.last_output
+    output, stats = llm.last_step, llm.stats()
     steps = result.prefill_steps if role == "prefill" else result.decode_steps
     steps.append(ServedStep(now, end - now, [(index_of.get((role, item.seq.seq_id), -1), item.start,
                                               item.scheduled_tokens) for item in output.scheduled],
-                            llm.block_manager.num_used_pages, len(llm.scheduler.running)))
+                            stats.used_pages, stats.running))
     result.order.append(role)
     if between_steps is not None:
         between_steps(len(result.order))

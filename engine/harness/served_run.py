@@ -88,10 +88,10 @@ def serve_requests(llm: LLM, requests: list[ServeRequest], clock: str = "wall",
         end = time.perf_counter()
         now = end - origin if clock == "wall" else now + (end - start)
         duration = now - step_start
-        output = llm.last_output
+        output, stats = llm.last_step, llm.stats()
         steps.append(ServedStep(step_start, duration,
                                 [(index_of[item.seq.seq_id], item.start, item.scheduled_tokens) for item in output.scheduled],
-                                llm.block_manager.num_used_pages, len(llm.scheduler.running)))
+                                stats.used_pages, stats.running))
         for item in output.scheduled:
             timing = timings[index_of[item.seq.seq_id]]
             if item.samples and timing.first_token_s is None:

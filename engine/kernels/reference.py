@@ -112,6 +112,51 @@ def ownership_check(entries: torch.Tensor, owners: torch.Tensor, epochs: torch.T
     return ~in_range | (owners[safe] != expected_owners) | (epochs[safe] != expected_epochs)
 
 
+SHARED_OWNER = -2          # a published page's owner in the integrity record; its holders are keys page·2³² + holder
+HOLDER_SHIFT = 32
+OWNERSHIP_FLAG = 1         # step_integrity_flags' codes: the integrity checker's violation kinds
+SHARED_WRITE_FLAG = 3
+
+
+def step_integrity_flags(tables: torch.Tensor, leases: torch.Tensor, entry_counts: torch.Tensor,
+                         seq_ids: torch.Tensor, row_starts: torch.Tensor, row_counts: torch.Tensor,
+                         slots: torch.Tensor, owners: torch.Tensor, epochs: torch.Tensor, positions: torch.Tensor,
+                         holder_keys: torch.Tensor, sealed: torch.Tensor | None, page_size: int,
+                         pad_slot: int | None = None) -> torch.Tensor:
+    """A step's check, one flag per item (int32): OWNERSHIP_FLAG where an entry of its table (the first
+    `entry_counts` of its row of `tables`, granted at `leases`) is out of range, or neither its own page at that
+    lease nor a shared page it holds at that lease and table position; SHARED_WRITE_FLAG (the larger, it wins)
+    where one of its rows (`row_counts` from `row_starts` in `slots`) writes into a shared page, or into a sealed one
+    (`sealed` given: full mode); 0 otherwise. With `pad_slot`, a flagged item's slots are set to it, in place.
+    The record: `owners` (a sequence id, -1 free, SHARED_OWNER), `epochs`, `positions` of shared pages, and the
+    sorted `holder_keys` page·2³² + holder."""
+    num_pages = owners.shape[0]
+    index = torch.arange(tables.shape[1], device=tables.device)
+    valid = index[None, :] < entry_counts[:, None]
+    in_range = (tables >= 0) & (tables < num_pages)
+    safe = torch.where(in_range, tables, 0)
+    held = in_range & (epochs[safe] == leases)
+    owned = held & (owners[safe] == seq_ids[:, None])
+    member = torch.isin((safe << HOLDER_SHIFT) + seq_ids[:, None], holder_keys)
+    shared = held & (owners[safe] == SHARED_OWNER) & (positions[safe] == index[None, :]) & member
+    bad_entry = (valid & ~(owned | shared)).any(dim=1)
+    item_of_row = torch.repeat_interleave(torch.arange(len(row_counts), device=slots.device), row_counts)
+    rows = torch.cat([torch.arange(start, start + count, device=slots.device)
+                      for start, count in zip(row_starts.tolist(), row_counts.tolist())] or [index[:0]])
+    pages = slots[rows] // page_size
+    page_in_range = (pages >= 0) & (pages < num_pages)
+    safe_pages = torch.where(page_in_range, pages, 0)
+    read_only = owners[safe_pages] == SHARED_OWNER
+    if sealed is not None:
+        read_only |= sealed[safe_pages]
+    bad_write = torch.zeros(len(row_counts), dtype=torch.bool, device=slots.device)
+    bad_write.index_fill_(0, item_of_row[page_in_range & read_only], True)
+    flags = torch.maximum(bad_entry.int() * OWNERSHIP_FLAG, bad_write.int() * SHARED_WRITE_FLAG).to(torch.int32)
+    if pad_slot is not None:
+        slots[rows[flags[item_of_row] != 0]] = pad_slot
+    return flags
+
+
 def paged_indexer_scores(q: torch.Tensor, head_weights: torch.Tensor, key_pages: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          key_scales: torch.Tensor | None = None) -> torch.Tensor:

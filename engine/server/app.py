@@ -110,7 +110,7 @@ def build_app(llm: LLM, config: ServerConfig, fault_injector: FaultInjector | No
                              "max_model_len": scheduler.max_model_len, "kv_dtype": llm.kv_layout.dtype,
                              "weights": llm.config.weights})
     engine = AsyncEngine(llm, metrics, config.max_waiting, config.step_trace)
-    metrics.pages_free.set(llm.block_manager.num_free_pages)
+    metrics.pages_free.set(llm.stats().free_pages)
     ids = itertools.count()
 
     @asynccontextmanager

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO, TypeVar
 
 from engine.core.handoff import KVHandoff
-from engine.core.profile_format import batch_shape, regime_of
 from engine.core.sequence import FinishReason, SamplingParams, Sequence
+from engine.core.step_shape import batch_shape, regime_of
 from engine.llm import LLM, RequestOutput
 from engine.server.metrics import ServerMetrics
 from engine.server.text_stream import TextStream
@@ -108,9 +108,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()        # set after a step cycle that left nothing to do
         self._task: asyncio.Task | None = None
-        self._preemptions = llm.num_preemptions
-        self._prefix_counts = (llm.scheduler.prefix_queried_tokens, llm.scheduler.prefix_hit_tokens)
-        self._draft_counts = (llm.num_draft_tokens, llm.num_accepted_tokens)
+        self._counted = llm.stats()        # the counters as of the last export to /metrics
 
     async def start(self) -> None:
         if self._step_trace_path:
@@ -156,7 +154,7 @@ class AsyncEngine:
     def _admissible(self) -> None:
         if self.draining:
             raise Draining("the server is shutting down")
-        waiting = len(self._pending) + len(self.llm.scheduler.waiting) + len(self.llm.scheduler.arrivals)
+        waiting = len(self._pending) + self.llm.stats().waiting
         if waiting >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are already waiting")
 
@@ -235,8 +233,7 @@ class AsyncEngine:
     @property
     def pages_held(self) -> int:
         """KV pages requests hold: used pages less the quarantined ones, which no request holds."""
-        manager = self.llm.block_manager
-        return manager.num_used_pages - len(manager.quarantined)
+        return self.llm.stats().held_pages
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -264,7 +261,7 @@ class AsyncEngine:
         """On the step thread: what handlers handed over, then one step."""
         for seq, handoff in new:
             if handoff is None:
-                self.llm.scheduler.add(seq)
+                self.llm.submit(seq)
             else:
                 self.llm.queue_handoff(seq, handoff)
         for seq_id in aborts:
@@ -282,7 +279,7 @@ class AsyncEngine:
         """The step's duration by regime in /metrics; with a step trace, its batch, times and whether work is left
         for the next step, as a JSON line (perf_counter is the system's monotonic clock: a client on this machine
         can line its own times up with it)."""
-        output = self.llm.last_output
+        output = self.llm.last_step
         if output is None or output.is_empty:
             return
         shape = batch_shape(output, self.llm.model_config.attention.index_topk)
@@ -348,21 +345,18 @@ class AsyncEngine:
             stream.events.put_nowait(event)
 
     def _observe(self) -> None:
-        llm, metrics = self.llm, self.metrics
-        metrics.running.set(len(llm.scheduler.running))
-        metrics.waiting.set(len(llm.scheduler.waiting) + len(self._pending))
-        metrics.pages_used.set(self.pages_held)
-        metrics.pages_quarantined.set(len(llm.block_manager.quarantined))
-        metrics.pages_free.set(llm.block_manager.num_free_pages)
-        metrics.preemptions.inc(llm.num_preemptions - self._preemptions)
-        self._preemptions = llm.num_preemptions
-        scheduler = llm.scheduler
-        metrics.prefix_queries.inc(scheduler.prefix_queried_tokens - self._prefix_counts[0])
-        metrics.prefix_hits.inc(scheduler.prefix_hit_tokens - self._prefix_counts[1])
-        self._prefix_counts = (scheduler.prefix_queried_tokens, scheduler.prefix_hit_tokens)
-        metrics.pages_cached.set(llm.block_manager.num_cached_pages)
-        metrics.draft_tokens.inc(llm.num_draft_tokens - self._draft_counts[0])
-        metrics.accepted_tokens.inc(llm.num_accepted_tokens - self._draft_counts[1])
-        self._draft_counts = (llm.num_draft_tokens, llm.num_accepted_tokens)
+        stats, before, metrics = self.llm.stats(), self._counted, self.metrics
+        metrics.running.set(stats.running)
+        metrics.waiting.set(stats.waiting + len(self._pending))
+        metrics.pages_used.set(stats.held_pages)
+        metrics.pages_quarantined.set(stats.quarantined_pages)
+        metrics.pages_free.set(stats.free_pages)
+        metrics.pages_cached.set(stats.cached_pages)
+        metrics.preemptions.inc(stats.preemptions - before.preemptions)
+        metrics.prefix_queries.inc(stats.prefix_queried_tokens - before.prefix_queried_tokens)
+        metrics.prefix_hits.inc(stats.prefix_hit_tokens - before.prefix_hit_tokens)
+        metrics.draft_tokens.inc(stats.draft_tokens - before.draft_tokens)
+        metrics.accepted_tokens.inc(stats.accepted_tokens - before.accepted_tokens)
+        self._counted = stats
 
 

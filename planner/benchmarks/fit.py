@@ -31,8 +31,8 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from engine.core.config import SchedulerConfig
-from engine.core.profile_format import batch_shape
 from engine.core.scheduler import SchedulerOutput
+from engine.core.step_shape import batch_shape
 from planner.benchmarks.formats import BenchmarkPoint
 from planner.calibration.parameters import BENCHMARKS_VERSION_PREFIX, CALIBRATION_VERSION
 from planner.calibration.profile_fit import BOUNDS, TERM_OF

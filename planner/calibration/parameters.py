@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.core.profile_format import engine_version
+from engine.core.step_shape import engine_version
 from planner.catalog.hardware import HardwareSpec
 from planner.cost.step_model import (
     MeasuredLinears,

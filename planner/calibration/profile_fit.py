@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from engine.core.profile_format import PROFILE_VERSION, SAMPLE_KINDS
+from engine.core.step_shape import PROFILE_VERSION, SAMPLE_KINDS
 from planner.calibration.parameters import CALIBRATION_VERSION
 from planner.catalog.hardware import catalogue
 from planner.cost.communication import fit_alpha_beta

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from engine.core.memory import ceil_div
-from engine.core.profile_format import expected_experts_touched, shape_fields
+from engine.core.step_shape import expected_experts_touched, shape_fields
 from planner.cost.communication import wire_bytes
 
 
@@ -156,7 +156,7 @@ class BatchShape:
     prefill_tokens: int = 0
     prefill_pairs: int = 0              # sum over prefill chunks of (new token, visible token) pairs
     prefill_context_tokens: int = 0     # sum over prefill chunks of the context each one reads (itself included)
-    # sparse attention (`engine.core.profile_format.batch_shape` with index_topk); None: attention reads everything
+    # sparse attention (`engine.core.step_shape.batch_shape` with index_topk); None: attention reads everything
     decode_selected_tokens: int | None = None   # sum over decodes of min(context, index_topk)
     prefill_selected_pairs: int | None = None   # (row, token) pairs attended under the top-k cap
     prefill_indexed_pairs: int = 0              # pairs the indexer scores: chunks whose context exceeds index_topk

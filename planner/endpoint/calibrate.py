@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.core.profile_format import shape_fields
+from engine.core.step_shape import shape_fields
 from planner.calibration.parameters import CALIBRATION_VERSION, ENDPOINT_VERSION_PREFIX
 from planner.calibration.profile_fit import MAX_MAPE_PCT, Points, fit_report
 from planner.catalog.models import get_model

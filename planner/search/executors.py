@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from engine.core.profile_format import engine_version
+from engine.core.step_shape import engine_version
 from planner.errors import PlannerError
 
 EXECUTORS = ("local", "serial")         # and "ray:auto", "ray:local", "ray:ADDRESS"

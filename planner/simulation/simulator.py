@@ -36,9 +36,9 @@ import simpy
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.metrics import RequestTiming, summarize
-from engine.core.profile_format import batch_shape
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import SamplingParams, Sequence
+from engine.core.step_shape import batch_shape
 from planner.cost.step_model import BatchShape
 from planner.errors import PlannerError
 from planner.simulation.speculation import Speculation

@@ -57,9 +57,8 @@ def probe_handoffs(prefill: LLM, decode: LLM) -> dict[str, ByteCost]:
     copying pages out of its pool and checksumming them; `link`, the frame encoded and decoded; `unpack`, the decode
     engine checking the pages and copying them into its pool (free pages: nobody's data is touched)."""
     from engine.core.handoff import KVHandoff
-    from engine.core.sequence import SamplingParams
 
-    page_size, costs = decode.config.page_size, {"pack": ([], []), "link": ([], []), "unpack": ([], [])}
+    costs = {"pack": ([], []), "link": ([], []), "unpack": ([], [])}
 
     def timed(name: str, size: int, work: Callable[[], object]) -> None:
         times = []
@@ -71,18 +70,16 @@ def probe_handoffs(prefill: LLM, decode: LLM) -> dict[str, ByteCost]:
         costs[name][1].append(statistics.median(times))
 
     for count in PROBE_PAGES:
-        pages = list(range(min(count, prefill.block_manager.num_pages, decode.block_manager.num_pages)))
+        pages = list(range(min(count, prefill.stats().num_pages, decode.stats().num_pages)))
 
         def pack(pages: list[int] = pages) -> KVHandoff:
-            return KVHandoff.of_pages(list(range(len(pages) * page_size)), 0, SamplingParams(), prefill.kv_layout,
-                                      page_size, prefill.kv_cache.scales_digest(), prefill.kv_cache.export_pages(pages))
+            return prefill.copy_pages_out(pages)
 
         handoff = pack()
         size = len(handoff.payload)
         timed("pack", size, pack)
         timed("link", size, lambda handoff=handoff: KVHandoff.decode(handoff.encode()))
-        timed("unpack", size, lambda handoff=handoff, pages=pages: (
-            handoff.corrupt_pages(), decode.kv_cache.import_pages(pages, handoff.payload)))
+        timed("unpack", size, lambda handoff=handoff, pages=pages: decode.copy_pages_in(handoff, pages))
     return {name: fitted(*points) for name, points in costs.items()}
 
 
@@ -91,7 +88,7 @@ def verify_disaggregated(profile_path: str, workload: Workload, kv_cache_gib: fl
                          max_num_batched_tokens: int = 2048, max_mape: float = 1e9) -> dict[str, Any]:
     """The workload through a prefill engine and a decode engine configured as the profiled one (the decode
     engine's pool `decode_kv_cache_gib`, default the same) and through the simulator's 1P1D, compared."""
-    from engine.core.profile_format import engine_version
+    from engine.core.step_shape import engine_version
     from engine.harness.served_pair import serve_pair
 
     profile = load_profile(profile_path)

@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.core.memory import GIB, kv_layout, kv_pages_for_budget
 from engine.core.metrics import summarize
-from engine.core.profile_format import REGIMES, SAMPLE_KINDS, batch_shape, regime_of
+from engine.core.step_shape import REGIMES, SAMPLE_KINDS, batch_shape, regime_of
 from planner.calibration.parameters import Calibration, check_fingerprint
 from planner.calibration.profile_fit import calibrate, load_profile, profile_costs
 from planner.catalog.models import get_model
@@ -210,7 +210,7 @@ def verify(profile_path: str, workload: Workload, kv_cache_gib: float = 0.25, ma
     """The workload through the engine and through the simulator on the profile's calibration, compared. With
     `speculative` ("ngram:K") the engine drafts by prompt lookup over prompts that repeat themselves, and the
     simulator draws drafts and their acceptance as the engine measured them."""
-    from engine.core.profile_format import engine_version
+    from engine.core.step_shape import engine_version
 
     if speculative is not None and not speculative.startswith("ngram:"):
         raise PlannerError(f"verify --speculative takes ngram:K (prompt lookup over prompts that repeat themselves), "

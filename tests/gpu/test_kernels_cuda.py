@@ -12,6 +12,7 @@ from kernel_cases import (
     paged_case,
     relative_error,
     sparse_mla_case,
+    step_integrity_case,
 )
 
 from engine.kernels import reference
@@ -23,6 +24,7 @@ from engine.kernels.mla_decode import paged_mla_decode
 from engine.kernels.ownership_check import ownership_check
 from engine.kernels.paged_attention import paged_decode_attention
 from engine.kernels.sparse_mla_decode import sparse_mla_decode
+from engine.kernels.step_integrity import step_integrity_flags
 
 DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn
@@ -114,3 +116,13 @@ def test_ownership_check_cuda(num_entries, num_pages):
     bad = ownership_check(**case)
     assert torch.equal(bad, reference.ownership_check(**case))
     assert torch.equal(bad.cpu(), (fate >= 1) & (fate <= 4))
+
+
+@pytest.mark.parametrize(("items", "pages", "width", "full"), [(1, 4, 3, False), (64, 900, 64, False),
+                                                                (13, 97, 300, True)])
+def test_step_integrity_flags(items, pages, width, full):
+    case, _, _ = step_integrity_case(items, pages, width, 16, DEVICE, seed=items + width, full=full)
+    expected_slots = case["slots"].clone()
+    expected = reference.step_integrity_flags(**(case | {"slots": expected_slots}), pad_slot=5)
+    flags = step_integrity_flags(**case, pad_slot=5)
+    assert torch.equal(flags, expected) and torch.equal(case["slots"], expected_slots)

@@ -1,83 +1,44 @@
-"""Runs one scheduled step on the model: a plan of flat inputs and block tables, the forward pass, sampling.
+"""Rank 0's side of a step: the plan of flat inputs and block tables made from the scheduler's batch, the forward
+pass on every rank, sampling.
 
-The plan is plain lists (`engine.executor.step_plan.StepPlan`) so that a tensor-parallel engine's rank 0 can send
-it to the other ranks, which run the same forward pass on it (`forward_plan`)."""
+The plan is plain lists (`engine.executor.step_plan.StepPlan`) so that it can be broadcast to the other ranks, which
+run the same forward pass on it (`engine.executor.worker.Worker.run`)."""
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.block_manager import BlockManager
 from engine.core.errors import RequestError
 from engine.core.memory import pages_for_tokens
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
-from engine.executor.integrity import IntegrityChecker, Violation, agree
+from engine.executor.integrity import IntegrityChecker, Violation
 from engine.executor.mtp import UNDRAFTED, MTPDrafts, mtp_rows, run_mtp
+from engine.executor.rank_processes import RankProcesses
 from engine.executor.sampler import sample, verify_drafts
-from engine.executor.step_plan import StepPlan
-from engine.model.architectures.base import DecoderModel
-from engine.model.attention import AttentionMetadata, PrefillChunk, chunk_causal_mask, decode_mask
-from engine.model.kv_cache import PagedKVCache
-
-if TYPE_CHECKING:
-    from engine.executor.faults import WorkerFault
-    from engine.executor.workers import Workers  # rank 0's handle on the others: workers run this runner
+from engine.executor.step_plan import StepPlan, WorkerFault
+from engine.executor.worker import Worker
 
 
-@torch.inference_mode()
-def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, page_size: int,
-                 device: torch.device) -> torch.Tensor | None:
-    """The plan's forward pass on this rank's shard: float32 logits [rows, vocab] of the plan's logit rows
-    (every row when it names none), or None when it wants no logits."""
-    if not plan.token_ids:
-        return None
+class StepExecutor:
+    """Rank 0's side of every step: plans it from the scheduler's batch (the block tables its items carry), sends
+    the plan to the other ranks, runs rank 0's share on its own `Worker`, then samples (verifying drafts, and
+    drafting with the model's MTP module where it has one)."""
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    kv_cache.calibrating = plan.calibrate_kv
-    hidden = model(tensor(plan.token_ids), tensor(plan.positions), kv_cache, attention_metadata(plan, page_size, device))
-    if plan.logit_rows == []:
-        return None
-    return model.compute_logits(hidden if plan.logit_rows is None else hidden[tensor(plan.logit_rows)])
-
-
-def attention_metadata(plan: StepPlan, page_size: int, device: torch.device) -> AttentionMetadata:
-    """Where the plan's rows write and what each attends: decodes by their block tables, prefill chunks by theirs."""
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    width = max((len(t) for t in plan.decode_tables), default=0)
-    padded = [t + [0] * (width - len(t)) for t in plan.decode_tables]
-    context_lens = tensor(plan.decode_lens)
-    return AttentionMetadata(
-        slot_mapping=tensor(plan.slots),
-        num_decodes=len(plan.decode_tables),
-        decode_block_tables=tensor(padded).reshape(len(plan.decode_tables), width),
-        decode_context_lens=context_lens,
-        decode_mask=decode_mask(context_lens, width, page_size),
-        prefills=tuple(PrefillChunk(row, tokens, context, tensor(pages), chunk_causal_mask(tokens, context, device))
-                       for row, tokens, context, pages in plan.prefills),
-    )
-
-
-class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, block_manager: BlockManager,
-                 seed: int = 0, workers: Workers | None = None, integrity: IntegrityChecker | None = None,
-                 num_draft_tokens: int = 1) -> None:
-        self.model = model
-        self.workers = workers
+    def __init__(self, worker: Worker, ranks: RankProcesses | None, integrity: IntegrityChecker | None,
+                 seed: int = 0, num_draft_tokens: int = 1) -> None:
+        self.worker = worker
+        self.model = worker.model
+        self.kv_cache = worker.kv_cache
+        self.page_size = worker.config.page_size
+        self.ranks = ranks
         self.integrity = integrity
         self.fail_rank: int | None = None          # fault injection: a worker rank that must fail the next step
         self.worker_fault: WorkerFault | None = None     # fault injection: one for a worker's own state
-        self.kv_cache = kv_cache
-        self.block_manager = block_manager
-        self.device = next(model.parameters()).device
+        self.device = worker.device
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
-        self.mtp_drafts = MTPDrafts(num_draft_tokens) if getattr(model, "mtp", None) is not None else None
+        self.mtp_drafts = MTPDrafts(num_draft_tokens) if getattr(worker.model, "mtp", None) is not None else None
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
         seq = item.seq
@@ -97,15 +58,14 @@ class ModelRunner:
         """The step's flat inputs from the block tables; `items` must list decodes first. Under tensor
         parallelism with integrity checks, it also carries each table's leases and the ownership record's
         changes since the last plan, so that every rank can check the tables itself."""
-        page_size = self.block_manager.page_size
-        check = self.integrity is not None and self.workers is not None
+        page_size = self.page_size
+        check = self.integrity is not None and self.ranks is not None
         plan = StepPlan([], [], [], [], [], [], logit_rows, calibrate_kv=self.kv_cache.calibrating,
                         fail_rank=self.fail_rank, check=check, worker_fault=self.worker_fault)
         self.fail_rank, self.worker_fault = None, None
         for item in items:
-            seq_id = item.seq.seq_id
-            table = self.block_manager.block_table(seq_id)
-            plan.seq_ids.append(seq_id)
+            table = item.block_table
+            plan.seq_ids.append(item.seq.seq_id)
             if item.drafts:         # the last token, then the drafts after it
                 plan.token_ids.extend(item.seq.token_ids_between(item.start, item.start + 1))
                 plan.token_ids.extend(item.drafts)
@@ -116,7 +76,7 @@ class ModelRunner:
             plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
             pages = len(table) if item.is_decode else pages_for_tokens(item.end, page_size)
             if check:
-                plan.leases.append(self.block_manager.leases(seq_id)[:pages])
+                plan.leases.append(item.leases[:pages])
             if item.is_decode:
                 plan.decode_tables.append(table)
                 plan.decode_lens.append(item.end)
@@ -131,18 +91,14 @@ class ModelRunner:
         """Sends the plan to the other ranks (tensor parallelism), agrees with them on the items that fail an
         integrity check on some rank, and runs this rank's share of the rest. Returns the logits and the
         dropped items' violations, by item."""
-        dropped: dict[int, Violation] = {}
         try:
-            if self.workers is not None:
-                self.workers.send(plan)
-                if plan.check:
-                    dropped = agree(self.workers.group, plan, [])     # rank 0 checked its record before planning
-                    plan = plan.without(set(dropped))
-            return forward_plan(self.model, self.kv_cache, plan, self.block_manager.page_size, self.device), dropped
+            if self.ranks is not None:
+                self.ranks.send(plan)
+            return self.worker.run(plan)        # rank 0 checked its record before planning
         except RuntimeError as error:
-            if self.workers is None:
+            if self.ranks is None:
                 raise
-            raise self.workers.failed(error) from None
+            raise self.ranks.failed(error) from None
 
     def logits(self, items: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every computed position, float32 [T, vocab]; for scoring, not serving."""
@@ -168,7 +124,7 @@ class ModelRunner:
                 tokens = self._verify(logits, sampling)
             else:
                 tokens = sample(logits, [item.seq.params for item in sampling],
-                                [self._generator(item) for item in sampling])
+                                [self._generator(item) for item in sampling]).tolist()
             sampled = {item.seq.seq_id: token for item, token in zip(sampling, tokens)}
         if self.mtp_drafts is not None and items:
             self._draft_with_mtp(items, plan, sampled)
@@ -183,7 +139,7 @@ class ModelRunner:
         mtp_plan.token_ids = next_tokens
         hidden = self.model.last_hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
         logits, out = run_mtp(self.model, self.kv_cache, mtp_plan, hidden,
-                              attention_metadata(mtp_plan, self.block_manager.page_size, self.device), self.device)
+                              self.worker.runner.attention_metadata(mtp_plan), self.device)
         if logits is None:
             return
         for index, token in zip(drafting, logits.argmax(dim=-1).tolist()):
@@ -194,18 +150,18 @@ class ModelRunner:
         """Fills the drafts after the first by chaining the MTP module: pass j runs at position start + j - 1 of
         every sequence with more than j drafts, from the module's previous output and the draft before, writing
         its cache row into a slot the step reserved (the verification overwrites what does not stand)."""
-        drafts, page_size = self.mtp_drafts, self.block_manager.page_size
+        drafts = self.mtp_drafts
         chained = [item for item in items if UNDRAFTED in item.drafts]
         filled = {id(item): list(item.drafts) for item in chained}
         hidden = {id(item): drafts.hidden[item.seq.seq_id] for item in chained}
         for depth in range(1, max((len(item.drafts) for item in chained), default=0)):
             going = [item for item in chained if len(item.drafts) > depth]
-            steps = [ScheduledSequence(item.seq, item.start + depth - 1, 1, True) for item in going]
+            steps = [ScheduledSequence(item.seq, item.start + depth - 1, 1, True).tables_of(item) for item in going]
             plan = self.plan(steps, list(range(len(steps))))
             plan.token_ids = [filled[id(item)][depth - 1] for item in going]
             rows = torch.stack([hidden[id(item)] for item in going])
-            logits, out = run_mtp(self.model, self.kv_cache, plan, rows, attention_metadata(plan, page_size,
-                                                                                             self.device), self.device)
+            logits, out = run_mtp(self.model, self.kv_cache, plan, rows, self.worker.runner.attention_metadata(plan),
+                                  self.device)
             for row, (item, token) in enumerate(zip(going, logits.argmax(dim=-1).tolist())):
                 filled[id(item)][depth] = token
                 hidden[id(item)] = out[row]
@@ -222,7 +178,7 @@ class ModelRunner:
         plain = [index for index, item in enumerate(sampling) if not item.drafts]
         rows = torch.tensor([starts[index] for index in plain], dtype=torch.int64, device=logits.device)
         tokens = dict(zip(plain, sample(logits[rows], [sampling[i].seq.params for i in plain],
-                                        [self._generator(sampling[i]) for i in plain]))) if plain else {}
+                                        [self._generator(sampling[i]) for i in plain]).tolist())) if plain else {}
         for index, item in enumerate(sampling):
             if item.drafts:
                 start = starts[index]

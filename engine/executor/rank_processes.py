@@ -1,8 +1,9 @@
-"""Ranks 1..N-1 of a tensor-parallel engine: spawned on this node by rank 0, each runs `worker_main`, which builds
-its shard (`engine.executor.worker.ShardWorker`) and runs every plan rank 0 broadcasts until it sends None.
+"""The processes of ranks 1..N-1 of a tensor-parallel engine: spawned on this node by rank 0, each runs
+`worker_main`, which builds its `Worker` (the class rank 0 builds too) and runs every plan rank 0 broadcasts until
+it sends None.
 
 Several nodes, or `torchrun`, would launch the same `worker_main` with their own rank and a shared address
-(`MASTER_ADDR:MASTER_PORT`); `Workers` starts every rank on one node, on a free local port.
+(`MASTER_ADDR:MASTER_PORT`); `RankProcesses` starts every rank on one node, on a free local port.
 
 A worker that fails puts one line on the error queue and exits; rank 0's next collective then fails (gloo
 sees the peer gone; every collective has a timeout, so nothing hangs) and the engine raises that line.
@@ -12,20 +13,26 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.core.config import EngineConfig
 from engine.core.errors import WorkerError
-from engine.executor.worker import ShardWorker
-from engine.parallel.group import broadcast_object, free_port, join_group, receive_object, time_collectives
+from engine.executor.worker import Worker
+from engine.parallel.group import (
+    broadcast_object,
+    free_port,
+    join_group,
+    rank_device,
+    receive_object,
+    resolve_device,
+    time_collectives,
+)
 
-if TYPE_CHECKING:
-    from engine.core.config import EngineConfig
-
-MEMORY_QUERY = "memory"            # rank 0 asks every rank for the bytes it holds (`Workers.gather`)
+MEMORY_QUERY = "memory"            # rank 0 asks every rank for the bytes it holds (`RankProcesses.gather`)
 COLLECTIVES = "collectives"         # ("collectives", sizes, repeats): every rank times the collectives together
 TILE_KV = "tile_kv"                 # ("tile_kv", pages): every rank copies those pages of its pool over the rest
 FAILURE_WAIT_S = 5.0                # how long rank 0 waits for a failed worker's own account of what went wrong
@@ -33,12 +40,19 @@ log = logging.getLogger("engine.parallel.group")
 
 
 def worker_main(rank: int, size: int, address: str, config: EngineConfig, errors: Any) -> None:
-    """A worker rank: builds its shard, then runs every plan rank 0 broadcasts until it sends None."""
+    """A worker rank: builds its shard, sizes its pool as rank 0 says, then runs every plan rank 0 broadcasts until
+    it sends None."""
     group = None
     try:
-        worker = ShardWorker(config, rank, size, address)
-        group = worker.group
-        while worker.kv_cache is not None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device = rank_device(resolve_device(config.device), rank)
+        group = join_group(rank, size, address, device)
+        worker = Worker(config, group, device)
+        num_pages = receive_object()        # rank 0 sized the pool; None: it failed before, stop
+        if num_pages is not None:
+            worker.allocate_kv(num_pages)
+        while num_pages is not None:
             message = receive_object()
             if message is None:
                 break
@@ -58,7 +72,7 @@ def worker_main(rank: int, size: int, address: str, config: EngineConfig, errors
             dist.destroy_process_group()
 
 
-class Workers:
+class RankProcesses:
     """Ranks 1..N-1 of a tensor-parallel engine, spawned on this node; rank 0 joins the group here."""
 
     def __init__(self, config: EngineConfig, size: int, device: torch.device) -> None:
@@ -118,10 +132,6 @@ class Workers:
             return time_collectives(self.group, sizes, repeats, device)
         except RuntimeError as error:
             raise self.failed(error) from None
-
-    def tile_kv(self, pages: list[int]) -> None:
-        """`PagedKVCache.tile` on every worker's shard (rank 0 tiles its own)."""
-        self.send((TILE_KV, pages))
 
     def close(self) -> None:
         """Tells the workers to stop (if the group still stands), then makes sure they are gone."""
