@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="memory arithmetic of a model: weights, KV per token, pages")
     _engine_options(info)
+    info.add_argument("--load", action="store_true",
+                      help="also build the engine on --device and report what each rank holds (weights, KV pool, "
+                           "CUDA graphs: their memory and capture time)")
+    info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (with --load)")
 
     evaluate = commands.add_parser("eval", help="perplexity on a fixed English text shipped with Python")
     _engine_options(evaluate)
@@ -188,6 +192,11 @@ def cmd_info(args: argparse.Namespace) -> None:
         "kv_pages": pages,
         "kv_capacity_tokens": pages * config.page_size,
     }
+    if args.load:
+        from engine.llm import LLM
+
+        with LLM(engine_config(args, device=args.device)) as llm:
+            payload["ranks"] = llm.memory_by_rank()
     _emit(payload, args.json, "\n".join(f"{key:22s} {value}" for key, value in payload.items()))
 
 

@@ -36,6 +36,19 @@ def test_info_json_is_exact():
     assert payload["weight_bytes_by_dtype"]["fp8"]["linear"] == linear + 30 * (576 * 2 + 192 * 2 + 1536 * 2 + 576) * 4
 
 
+def test_info_load_reports_what_the_built_engine_holds():
+    """`--load` builds the engine: its pool is the pages the arithmetic promised (the CPU engine keeps no padding
+    page: no graphs, the integrity check on the host) and its weights the bytes the file reader counted."""
+    done = engine_cli("info", "--model", "smollm2-135m", "--memory-gib", "0.25", "--kv-dtype", "bf16", "--load",
+                      "--device", "cpu", "--json")
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(done.stdout)
+    [rank] = payload["ranks"]
+    assert rank["kv_cache_bytes"] == payload["kv_pages"] * payload["page_size"] * payload["kv_bytes_per_token"]
+    assert sum(rank["weight_bytes_by_component"].values()) == payload["weight_bytes"]
+    assert "graph_bytes" not in rank
+
+
 @pytest.fixture(scope="module")
 def truncated_gguf(tmp_path_factory, smollm_path):
     path = tmp_path_factory.mktemp("bad") / "truncated.gguf"

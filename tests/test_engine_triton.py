@@ -57,3 +57,53 @@ def test_quantized_layers_take_the_triton_gemms(monkeypatch, rows):
     for layer, dense in ((Int4Linear(int4), dequantize_int4(int4)), (Fp8Linear(fp8), dequantize_fp8_weight(fp8))):
         out, expected = layer(x), F.linear(x, dense)
         assert ((out - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def device_checked_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Eight prompts sharing a 16-token opening (2 pages of 8): the sharing faults find shared pages."""
+    import random
+
+    rng = random.Random(seed)
+    opening = rng.choices(range(512), k=16)
+    prompts = [opening + rng.choices(range(512), k=rng.randrange(3, 40)) for _ in range(8)]
+    return prompts, [SamplingParams(max_tokens=rng.randrange(4, 10), ignore_eos=True) for _ in prompts]
+
+
+def test_the_device_integrity_check_catches_every_ownership_fault_and_harms_nobody(monkeypatch, tmp_path):
+    """With Triton on (here the interpreter), the step's ownership check is one kernel in the step: a flagged
+    request's writes go to the padding page, its token is dropped and it is aborted; the others answer as without
+    the fault."""
+    from campaign import assert_campaign_detects
+
+    from engine.harness.fault_campaign import OWNERSHIP_FAULTS
+
+    monkeypatch.setenv(ENV_VARIABLE, "triton")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    with LLM(model=str(path), num_pages=96, page_size=8, seed=1, integrity="ownership") as llm:
+        assert llm.core.integrity.on_device and llm.core.worker.runner.pad_page == 95
+        assert llm.stats().num_pages == 95          # the padding page is nobody's
+        runner, raised = llm.core.worker.runner, []
+        check = runner.device_check
+
+        def counted(step, pad_slot):
+            flags = check(step, pad_slot)
+            raised.append(int((flags != 0).sum()))
+            return flags
+
+        runner.device_check = counted
+        assert_campaign_detects(llm, device_checked_workload(4), OWNERSHIP_FAULTS, 1, seed=4)
+        assert len(raised) > 40 and sum(raised) >= 3      # the kernel ran in every step and caught faults itself
+
+
+def test_full_mode_on_the_device_catches_a_flipped_bit_and_a_shared_write(monkeypatch, tmp_path):
+    """`full` mode on the device: the checksums of the sealed pages a step reads are computed in the step and
+    flag the request reading a flipped bit; a write into a shared page is flagged by the kernel."""
+    from campaign import assert_campaign_detects
+
+    monkeypatch.setenv(ENV_VARIABLE, "triton")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    with LLM(model=str(path), num_pages=96, page_size=8, seed=1, integrity="full") as llm:
+        assert llm.core.integrity.on_device
+        assert_campaign_detects(llm, device_checked_workload(5), ("bit_flip", "shared_write"), 1, seed=5)

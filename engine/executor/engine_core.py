@@ -92,6 +92,8 @@ class EngineCore:
         self.integrity = None if config.integrity == "off" else IntegrityChecker(
             config.integrity, self.block_manager, self.kv_cache, config.integrity_sample_pages, config.seed,
             config.tensor_parallel)
+        if self.integrity is not None and self.integrity.on_device:
+            self.worker.runner.device_check = self.integrity.device_flags
         self.executor = StepExecutor(self.worker, self.ranks, self.integrity, config.seed,
                                      speculative.num_draft_tokens if speculative is not None else 1)
         self.proposer: NgramProposer | MTPDrafts | None = None if speculative is None else (
@@ -301,9 +303,7 @@ class EngineCore:
         if output.arrived:
             aborted += self._fill_arrivals(output)
         if self.integrity is not None:
-            violations = self.integrity.take_violations() + self.integrity.check(output.scheduled)
-            if violations:
-                aborted += self._abort_violating(output, violations)
+            aborted += self._check_before_step(output)
         if output.is_empty:
             return aborted
         sampled, violations = self.executor.execute(output)
@@ -316,6 +316,17 @@ class EngineCore:
         if self.integrity is not None:
             self.integrity.seal(output.scheduled)
         return aborted + [self._finish(seq) for seq in self.scheduler.update(output, sampled)]
+
+    def _check_before_step(self, output: SchedulerOutput) -> list[RequestOutput]:
+        """Aborts, before the step runs, the requests found off the step (frees, publishes) and, unless the check
+        runs on the device inside the step (its record written first), those whose tables fail the host's check."""
+        integrity = self.integrity
+        violations = integrity.take_violations()
+        if integrity.on_device:
+            integrity.flush()
+        else:
+            violations += integrity.check(output.scheduled)
+        return self._abort_violating(output, violations) if violations else []
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
         return self.proposer.propose(seq.seq_id, seq.prompt_token_ids + seq.output_token_ids, room)

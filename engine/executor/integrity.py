@@ -41,6 +41,7 @@ from engine.core.config import INTEGRITY_MODES
 from engine.core.memory import pages_filled, pages_written
 from engine.core.scheduler import ScheduledSequence
 from engine.executor.step_plan import StepPlan
+from engine.kernels.backend import use_triton
 from engine.kernels.reference import HOLDER_SHIFT, OWNERSHIP_FLAG, SHARED_OWNER, SHARED_WRITE_FLAG
 from engine.model.kv_cache import PagedKVCache
 from engine.parallel.group import TensorGroup
@@ -55,6 +56,20 @@ KINDS = {code: kind for kind, code in KIND_CODES.items()}
 Update = tuple[int, int, int, int, tuple[int, ...], tuple[int, ...], bool]
 
 log = logging.getLogger("engine.executor.integrity")
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What the device check reads of a step, on the device: each item's table and leases (padded rows), its entry
+    count and sequence id, its rows in the flat batch, and the batch's slots (a flagged item's are redirected)."""
+
+    tables: torch.Tensor
+    leases: torch.Tensor
+    entry_counts: torch.Tensor
+    seq_ids: torch.Tensor
+    row_starts: torch.Tensor
+    row_counts: torch.Tensor
+    slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,8 @@ class PageRecord:
         self.epochs = torch.zeros(num_pages, dtype=torch.int64, device=device)
         self.positions = torch.full((num_pages,), -1, dtype=torch.int64, device=device)     # of SHARED pages
         self.shared_holders: dict[int, set[int]] = {}           # page -> its holders, for SHARED pages
-        self._holder_keys = torch.zeros(0, dtype=torch.int64, device=device)     # page·2³² + holder, each once
+        self._holder_keys = torch.zeros(0, dtype=torch.int64, device=device)     # page·2³² + holder, each once,
+                                                                                 # sorted (the device check searches)
         self.full = mode == "full"
         if self.full:
             page_bytes = [pool[0, 0].numel() * pool.element_size() for pool in kv_cache.pools]
@@ -154,21 +170,21 @@ class PageRecord:
         (exclusive), FREE, or SHARED with its position; for a SHARED page the holders who joined and left since the
         last update (`reset`: a new sharing, whose holders are exactly those who joined). A page granted to a
         sequence is no longer sealed (it will be written); a page freed or shared keeps its seal and checksum (its
-        bytes stay as they were). The holder keys change by the updates alone: a step costs what changed in it."""
+        bytes stay as they were). The sorted holder keys are rebuilt from the host's sets when holders changed; nothing
+        here reads the device (the record is written in the step's stream)."""
         if not updates:
             return
         values = torch.tensor([update[:4] for update in updates], dtype=torch.int64).to(self.device)
         self.owners[values[:, 0]] = values[:, 1]
         self.epochs[values[:, 0]] = values[:, 2]
         self.positions[values[:, 0]] = values[:, 3]
-        if self.full:
-            granted = values[:, 0][values[:, 1] >= 0]
-            self.sealed[granted] = False
-        added, removed = [], []
+        if self.full:           # a granted page will be written: no longer sealed
+            self.sealed[values[:, 0]] &= values[:, 1] < 0
+        changed = False
         for page, owner, _, _, joined, left, reset in updates:
             holders = self.shared_holders.get(page)
             if holders is not None and (reset or owner != SHARED):
-                removed += [(page << HOLDER_SHIFT) + holder for holder in holders]
+                changed = True
                 holders = None
                 del self.shared_holders[page]
             if owner != SHARED:
@@ -177,14 +193,11 @@ class PageRecord:
                 holders = self.shared_holders[page] = set()
             holders.difference_update(left)
             holders.update(joined)
-            removed += [(page << HOLDER_SHIFT) + holder for holder in left]
-            added += [(page << HOLDER_SHIFT) + holder for holder in joined]
-        keys = self._holder_keys
-        if removed:
-            keys = keys[~torch.isin(keys, torch.tensor(removed, dtype=torch.int64).to(self.device))]
-        if added:
-            keys = torch.cat([keys, torch.tensor(added, dtype=torch.int64).to(self.device)])
-        self._holder_keys = keys
+            changed = changed or bool(left or joined)
+        if changed:             # rebuilt from the host's sets: sorted, each key once
+            keys = sorted((page << HOLDER_SHIFT) + holder for page, holders in self.shared_holders.items()
+                          for holder in holders)
+            self._holder_keys = torch.tensor(keys, dtype=torch.int64).to(self.device)
 
     def holders(self) -> list[int]:
         exclusive = torch.unique(self.owners[self.owners >= 0]).tolist()
@@ -324,6 +337,9 @@ class IntegrityChecker(PageRecord):
         self._held = [(FREE, 0)] * block_manager.num_pages     # (owner, epoch) of each page, on the host: to vet
                                                                 # publishes without reading the device
         self.violations: list[Violation] = []      # found while freeing tables, taken by the engine
+        # the step's check runs on the device, in the step (`device_flags`), where Triton runs and on one rank
+        # (tensor-parallel ranks check their plans and agree, `agree`); decided once, as the pool's padding page is
+        self.on_device = self._outbox is None and use_triton(self.owners)
         block_manager.guard = self
 
     def detach(self) -> None:
@@ -455,6 +471,44 @@ class IntegrityChecker(PageRecord):
     def holders(self) -> list[int]:
         self._flush()
         return super().holders()
+
+
+    def flush(self) -> None:
+        """Writes the queued grants and releases to the device record (before a step the device checks)."""
+        self._flush()
+
+    def device_flags(self, step: StepCheck, pad_slot: int) -> torch.Tensor:
+        """The step's check on the device, in its stream, reading nothing back: one int32 flag per item (0, or the
+        worst violation's kind code) and a flagged item's slots redirected to `pad_slot`, so that its writes touch
+        nobody's page. In `full` mode also the checksums of the sealed pages the step reads and the FP8 scales."""
+        from engine.kernels.step_integrity import step_integrity_flags
+
+        flags = step_integrity_flags(step.tables, step.leases, step.entry_counts, step.seq_ids, step.row_starts,
+                                     step.row_counts, step.slots, self.owners, self.epochs, self.positions,
+                                     self._holder_keys, self.sealed if self.full else None,
+                                     self.block_manager.page_size, pad_slot)
+        return torch.maximum(flags, self._content_flags(step)) if self.full else flags
+
+    def _content_flags(self, step: StepCheck) -> torch.Tensor:
+        """`full` mode on the device: each item's sealed entries (all, or `sample_pages` of the step's entries drawn
+        on the device) against their checksums, and the FP8 scales against their trusted copy."""
+        items, width = step.tables.shape
+        valid = torch.arange(width, device=self.device)[None, :] < step.entry_counts[:, None]
+        in_range = (step.tables >= 0) & (step.tables < self.num_pages)
+        pages = torch.where(in_range, step.tables, 0).flatten()
+        candidates = (valid & in_range).flatten() & self.sealed[pages]
+        entry = torch.arange(items * width, device=self.device)
+        if self.sample_pages and self.sample_pages < items * width:
+            entry = torch.randint(items * width, (self.sample_pages,), generator=self._generator, device=self.device)
+        checked = pages[entry]
+        failed = candidates[entry] & (page_checksums(self.kv_cache, checked, self.weights) != self.checksums[checked])
+        flags = torch.zeros(items, dtype=torch.int32, device=self.device)
+        flags.scatter_reduce_(0, entry // max(width, 1), failed.to(torch.int32) * KIND_CODES["checksum"], "amax")
+        if self.kv_cache.is_fp8:
+            changed = torch.stack([(scale != trusted).any()
+                                   for scale, trusted in zip(self.kv_cache.scales, self._trusted_scales)]).any()
+            flags = torch.maximum(flags, changed.to(torch.int32) * KIND_CODES["fp8_scale"])
+        return flags
 
     def check(self, items: list[ScheduledSequence]) -> list[Violation]:
         """Checks the step's block tables, as its items carry them (and in `full` mode their sealed pages), before

@@ -12,12 +12,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.core.memory import pages_for_tokens
 from engine.core.spec import ModelSpec
+from engine.executor.integrity import StepCheck
 from engine.executor.step_plan import StepPlan
 from engine.kernels.backend import use_triton
 from engine.model.architectures.base import DecoderModel
@@ -28,6 +30,8 @@ FIRST_GRAPH_SIZES = (1, 2, 4, 8)
 GRAPH_SIZE_STEP = 8
 
 log = logging.getLogger("engine.executor.model_runner")
+# the integrity check of a step on the device (`IntegrityChecker.device_flags`): flags by item, slots redirected
+DeviceCheck = Callable[[StepCheck, int], torch.Tensor]
 
 
 def graph_batch_sizes(max_num_seqs: int, cap: int | None = None) -> list[int]:
@@ -61,17 +65,35 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logit_rows: torch.Tensor | None
+    check: StepCheck | None             # the plan asked for the device check
+
+
+def _padded(rows: list[list[int]], width: int) -> list[int]:
+    return [value for row in rows for value in row + [0] * (width - len(row))]
+
+
+def _check_parts(plan: StepPlan) -> list[list[int]]:
+    """What the device check reads, as lists: tables and leases of every item (padded), entry counts, sequence
+    ids, each item's first row and row count."""
+    tables = plan.tables()
+    width = max((len(table) for table in tables), default=0)
+    rows = [plan.rows(item) for item in range(plan.num_items)]
+    return [_padded(tables, width), _padded(plan.leases, width), [len(table) for table in tables], plan.seq_ids,
+            [span.start for span in rows], [len(span) for span in rows]]
 
 
 def step_inputs(plan: StepPlan, page_size: int, device: torch.device) -> StepInputs:
     """The plan's inputs on the device from one packed host-to-device copy: token ids, positions, slots, decode
-    context lengths, decode tables (padded to the longest), each prefill's pages, the logit rows."""
+    context lengths, decode tables (padded to the longest), each prefill's pages, the logit rows, and what the
+    device check reads where the plan asks for it."""
     num_decodes = len(plan.decode_tables)
     width = max((len(t) for t in plan.decode_tables), default=0)
     parts = [plan.token_ids, plan.positions, plan.slots, plan.decode_lens]
     parts += [table + [0] * (width - len(table)) for table in plan.decode_tables]
     parts += [pages for *_, pages in plan.prefills]
     parts.append(plan.logit_rows or [])
+    check_parts = _check_parts(plan) if plan.device_check else []
+    parts += check_parts
     sizes = [len(part) for part in parts]
     packed = torch.tensor([value for part in parts for value in part], dtype=torch.int64)
     if device.type == "cuda":
@@ -80,6 +102,14 @@ def step_inputs(plan: StepPlan, page_size: int, device: torch.device) -> StepInp
     token_ids, positions, slots, context_lens = pieces[:4]
     first_table = sum(sizes[:4])            # the decode tables lie side by side: one [decodes, width] view
     tables = packed[first_table:first_table + num_decodes * width]
+    check = None
+    if check_parts:
+        item_tables, item_leases, counts, seq_ids, row_starts, row_counts = pieces[-6:]
+        items = len(seq_ids)
+        check_width = len(item_tables) // max(items, 1)
+        check = StepCheck(item_tables.view(items, check_width), item_leases.view(items, check_width), counts,
+                          seq_ids, row_starts, row_counts, slots)
+        pieces = pieces[:-6]
     prefill_pages = pieces[4 + num_decodes:-1]
     metadata = AttentionMetadata(
         slot_mapping=slots, num_decodes=num_decodes,
@@ -87,7 +117,7 @@ def step_inputs(plan: StepPlan, page_size: int, device: torch.device) -> StepInp
         decode_mask=decode_mask(context_lens, width, page_size),
         prefills=tuple(PrefillChunk(row, tokens, context, pages, chunk_causal_mask(tokens, context, device))
                        for (row, tokens, context, _), pages in zip(plan.prefills, prefill_pages)))
-    return StepInputs(token_ids, positions, metadata, None if plan.logit_rows is None else pieces[-1])
+    return StepInputs(token_ids, positions, metadata, None if plan.logit_rows is None else pieces[-1], check)
 
 
 @torch.inference_mode()
@@ -97,7 +127,11 @@ def forward_plan(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, pa
     rows (every row when it names none), or None when it wants no logits."""
     if not plan.token_ids:
         return None
-    inputs = step_inputs(plan, page_size, device)
+    return run_inputs(model, kv_cache, plan, step_inputs(plan, page_size, device))
+
+
+@torch.inference_mode()
+def run_inputs(model: DecoderModel, kv_cache: PagedKVCache, plan: StepPlan, inputs: StepInputs) -> torch.Tensor | None:
     kv_cache.calibrating = plan.calibrate_kv
     hidden = model(inputs.token_ids, inputs.positions, kv_cache, inputs.metadata)
     if plan.logit_rows == []:
@@ -112,9 +146,10 @@ def attention_metadata(plan: StepPlan, page_size: int, device: torch.device) -> 
 
 class DecodeGraphs:
     """Decode-only steps over persistent buffers: token ids, positions, slots and context lengths [max batch] and
-    block tables [max batch, pages of the longest context]. A step of B decodes runs as the smallest captured size
-    G >= B: its inputs packed on the host, copied in once, spread into the buffers by device copies; rows B..G-1
-    are padding that reads and writes only `pad_page`, a page of the pool the block manager never hands out.
+    block tables [max batch, pages of the longest context] (and, for the device check, sequence ids, table lengths
+    and leases). A step of B decodes runs as the smallest captured size G >= B: its inputs packed on the host,
+    copied in once, spread into the buffers by device copies; rows B..G-1 are padding that reads and writes only
+    `pad_page`, a page of the pool the block manager never hands out.
 
     With `capture` (CUDA) each size is a CUDA graph, captured largest first into one memory pool; without it (CPU)
     each size runs the same static-shape forward eagerly, which is what the tests check against the eager path."""
@@ -129,12 +164,15 @@ class DecodeGraphs:
         self.width = pages_for_tokens(max_model_len, page_size)
         device = kv_cache.device
         rows = self.max_batch
-        self.staging = torch.zeros(4 * rows + rows * self.width, dtype=torch.int64, device=device)
+        self.staging = torch.zeros(6 * rows + 2 * rows * self.width, dtype=torch.int64, device=device)
         self.host = torch.zeros(self.staging.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_values = self.host.numpy()
-        self.token_ids, self.positions, self.slots, self.context_lens = (
-            torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(4))
+        self.token_ids, self.positions, self.slots, self.context_lens, self.seq_ids, self.table_lengths = (
+            torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(6))
         self.tables = torch.full((rows, self.width), pad_page, dtype=torch.int64, device=device)
+        self.leases = torch.zeros((rows, self.width), dtype=torch.int64, device=device)
+        self.row_starts = torch.arange(rows, dtype=torch.int64, device=device)
+        self.row_counts = torch.ones(rows, dtype=torch.int64, device=device)
         self.context_lens.fill_(1)
         self.slots.fill_(pad_page * page_size)
         self._outputs: dict[int, torch.Tensor] = {}
@@ -182,38 +220,50 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Float32 logits [B, vocab] of a plan that `fits`."""
+    def run(self, plan: StepPlan, device_check: DeviceCheck | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 logits [B, vocab] of a plan that `fits`; with `device_check` (and a plan that asks for it), the
+        flags of its B items, checked before the replay."""
         count = len(plan.decode_tables)
         size = self.sizes[bisect.bisect_left(self.sizes, count)]
         width = max(len(table) for table in plan.decode_tables)
-        pad = size - count
         pad_slot = self.pad_page * self.page_size
+        checked = plan.device_check and device_check is not None
         values = self._host_values
-        values[0:count] = plan.token_ids
-        values[size:size + count] = plan.positions
-        values[2 * size:2 * size + count] = plan.slots
-        values[3 * size:3 * size + count] = plan.decode_lens
-        for start, fill in ((0, 0), (size, 0), (2 * size, pad_slot), (3 * size, 1)):
-            values[start + count:start + size] = fill
-        tables = values[4 * size:4 * size + size * width].reshape(size, width)
+        columns = (plan.token_ids, plan.positions, plan.slots, plan.decode_lens, plan.seq_ids,
+                   [len(table) for table in plan.decode_tables] if checked else [])
+        for index, (column, fill) in enumerate(zip(columns, (0, 0, pad_slot, 1, -1, 0))):
+            start = index * size
+            values[start:start + len(column)] = column
+            values[start + len(column):start + size] = fill
+        tables = values[6 * size:6 * size + size * width].reshape(size, width)
         tables[:] = self.pad_page
         for row, table in enumerate(plan.decode_tables):
             tables[row, :len(table)] = table
-        used = 4 * size + size * width
+        used = 6 * size + size * width
+        if checked:
+            leases = values[used:used + size * width].reshape(size, width)
+            for row, table_leases in enumerate(plan.leases):
+                leases[row, :len(table_leases)] = table_leases
+            used += size * width
         self.staging[:used].copy_(self.host[:used], non_blocking=True)
         staged = self.staging[:used]
-        for buffer, start in ((self.token_ids, 0), (self.positions, size), (self.slots, 2 * size),
-                              (self.context_lens, 3 * size)):
-            buffer[:size].copy_(staged[start:start + size])
-        self.tables[:size, :width].copy_(staged[4 * size:].view(size, width))
+        buffers = (self.token_ids, self.positions, self.slots, self.context_lens, self.seq_ids, self.table_lengths)
+        for index, buffer in enumerate(buffers[:6 if checked else 4]):
+            buffer[:size].copy_(staged[index * size:(index + 1) * size])
+        self.tables[:size, :width].copy_(staged[6 * size:6 * size + size * width].view(size, width))
+        flags = None
+        if checked:
+            self.leases[:count, :width].copy_(staged[6 * size + size * width:].view(size, width)[:count])
+            flags = device_check(StepCheck(self.tables[:count], self.leases[:count], self.table_lengths[:count],
+                                           self.seq_ids[:count], self.row_starts[:count], self.row_counts[:count],
+                                           self.slots), pad_slot)
         self.replays += 1
         if self.capture:
             self._graphs[size].replay()
             logits = self._outputs[size]
         else:
             logits = self._forward(size)
-        return logits[:count] if pad else logits
+        return logits[:count], flags
 
 
 class ModelRunner:
@@ -221,18 +271,27 @@ class ModelRunner:
     through `graphs` when it holds them, the rest eagerly."""
 
     def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, page_size: int,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, pad_page: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.device = kv_cache.device
         self.graphs = graphs
+        self.pad_page = pad_page
+        self.device_check: DeviceCheck | None = None        # set by the engine where integrity runs on the device
 
-    def forward(self, plan: StepPlan) -> torch.Tensor | None:
-        """Float32 logits of the plan's logit rows, or None."""
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Float32 logits of the plan's logit rows (or None), and where the plan asks for the device check the
+        flags of its items (a flagged item's writes went to the padding page)."""
         if self.graphs is not None and self.graphs.fits(plan):
-            return self.graphs.run(plan)
-        return forward_plan(self.model, self.kv_cache, plan, self.page_size, self.device)
+            return self.graphs.run(plan, self.device_check)
+        if not plan.token_ids:
+            return None, None
+        inputs = step_inputs(plan, self.page_size, self.device)
+        flags = None
+        if inputs.check is not None and self.device_check is not None:
+            flags = self.device_check(inputs.check, self.pad_page * self.page_size)
+        return run_inputs(self.model, self.kv_cache, plan, inputs), flags
 
     def attention_metadata(self, plan: StepPlan) -> AttentionMetadata:
         return attention_metadata(plan, self.page_size, self.device)

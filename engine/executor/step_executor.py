@@ -12,7 +12,7 @@ import torch
 from engine.core.errors import RequestError
 from engine.core.memory import pages_for_tokens
 from engine.core.scheduler import ScheduledSequence, SchedulerOutput
-from engine.executor.integrity import IntegrityChecker, Violation
+from engine.executor.integrity import KINDS, IntegrityChecker, Violation
 from engine.executor.mtp import UNDRAFTED, MTPDrafts, mtp_rows, run_mtp
 from engine.executor.rank_processes import RankProcesses
 from engine.executor.sampler import sample, verify_drafts
@@ -38,6 +38,7 @@ class StepExecutor:
         self.device = worker.device
         self.seed = seed
         self._generators: dict[int, torch.Generator] = {}
+        self.also_violating: list[Violation] = []          # requests outside the step a flagged scale concerns
         self.mtp_drafts = MTPDrafts(num_draft_tokens) if getattr(worker.model, "mtp", None) is not None else None
 
     def _generator(self, item: ScheduledSequence) -> torch.Generator | None:
@@ -54,14 +55,20 @@ class StepExecutor:
         if self.mtp_drafts is not None:
             self.mtp_drafts.release(seq_id)
 
-    def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None) -> StepPlan:
+    @property
+    def checks_on_device(self) -> bool:
+        return self.integrity is not None and self.integrity.on_device
+
+    def plan(self, items: list[ScheduledSequence], logit_rows: list[int] | None, device_check: bool = False) -> StepPlan:
         """The step's flat inputs from the block tables; `items` must list decodes first. Under tensor
         parallelism with integrity checks, it also carries each table's leases and the ownership record's
-        changes since the last plan, so that every rank can check the tables itself."""
+        changes since the last plan, so that every rank can check the tables itself; with `device_check`, the
+        leases for the check the runner runs on the device."""
         page_size = self.page_size
         check = self.integrity is not None and self.ranks is not None
         plan = StepPlan([], [], [], [], [], [], logit_rows, calibrate_kv=self.kv_cache.calibrating,
-                        fail_rank=self.fail_rank, check=check, worker_fault=self.worker_fault)
+                        fail_rank=self.fail_rank, check=check, worker_fault=self.worker_fault,
+                        device_check=device_check)
         self.fail_rank, self.worker_fault = None, None
         for item in items:
             table = item.block_table
@@ -75,7 +82,7 @@ class StepExecutor:
             plan.positions.extend(span)
             plan.slots.extend(table[p // page_size] * page_size + p % page_size for p in span)
             pages = len(table) if item.is_decode else pages_for_tokens(item.end, page_size)
-            if check:
+            if check or device_check:
                 plan.leases.append(item.leases[:pages])
             if item.is_decode:
                 plan.decode_tables.append(table)
@@ -87,10 +94,10 @@ class StepExecutor:
             plan.ownership_updates = self.integrity.take_updates()
         return plan
 
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation]]:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation], torch.Tensor | None]:
         """Sends the plan to the other ranks (tensor parallelism), agrees with them on the items that fail an
-        integrity check on some rank, and runs this rank's share of the rest. Returns the logits and the
-        dropped items' violations, by item."""
+        integrity check on some rank, and runs this rank's share of the rest. Returns the logits, the dropped
+        items' violations by item, and the device check's flags by item where the plan asked for it."""
         try:
             if self.ranks is not None:
                 self.ranks.send(plan)
@@ -102,7 +109,10 @@ class StepExecutor:
 
     def logits(self, items: list[ScheduledSequence]) -> torch.Tensor:
         """Logits of every computed position, float32 [T, vocab]; for scoring, not serving."""
-        logits, dropped = self.run(self.plan(sorted(items, key=lambda item: not item.is_decode), None))
+        items = sorted(items, key=lambda item: not item.is_decode)
+        logits, dropped, flags = self.run(self.plan(items, None, self.checks_on_device))
+        if flags is not None:
+            dropped |= self._flagged(items, flags.tolist())
         if dropped:
             raise RequestError("; ".join(violation.describe() for violation in dropped.values()))
         return logits
@@ -115,20 +125,45 @@ class StepExecutor:
         if self.mtp_drafts is not None:
             self._chain_mtp(items)
         logit_rows = [row for rows, item in zip(_logit_rows(items), items) if item.samples for row in rows]
-        plan = self.plan(items, logit_rows)
-        logits, dropped = self.run(plan)
+        plan = self.plan(items, logit_rows, self.checks_on_device)
+        logits, dropped, flags = self.run(plan)
         sampling = [item for index, item in enumerate(items) if item.samples and index not in dropped]
-        sampled: dict[int, int] = {}
-        if sampling:
-            if any(item.drafts for item in sampling):
-                tokens = self._verify(logits, sampling)
-            else:
-                tokens = sample(logits, [item.seq.params for item in sampling],
-                                [self._generator(item) for item in sampling]).tolist()
-            sampled = {item.seq.seq_id: token for item, token in zip(sampling, tokens)}
+        tokens: list[int] = []
+        flag_values = []
+        if sampling and any(item.drafts for item in sampling):
+            tokens = self._verify(logits, sampling)
+        elif sampling:
+            drawn = sample(logits, [item.seq.params for item in sampling], [self._generator(item) for item in sampling])
+            if flags is not None:           # the tokens and the flags in one read
+                drawn = torch.cat([drawn, flags.to(drawn.dtype)])
+            values = drawn.tolist()
+            tokens, flag_values = values[:len(sampling)], values[len(sampling):]
+        if flags is not None and not flag_values:
+            flag_values = flags.tolist()
+        if flag_values:
+            dropped |= self._flagged(items, flag_values)
+        dropped_ids = {items[index].seq.seq_id for index in dropped}
+        sampled = {item.seq.seq_id: token for item, token in zip(sampling, tokens) if item.seq.seq_id not in dropped_ids}
         if self.mtp_drafts is not None and items:
             self._draft_with_mtp(items, plan, sampled)
-        return sampled, list(dropped.values())
+        also, self.also_violating = self.also_violating, []
+        return sampled, list(dropped.values()) + also
+
+    def _flagged(self, items: list[ScheduledSequence], flags: list[int]) -> dict[int, Violation]:
+        """The items the device check flagged, by item, with what the host check finds wrong in each (the rare path:
+        it reads the record to name the page, restores corrupted FP8 scales); their tokens are never emitted, the
+        caller aborts them. A corrupted scale concerns every request holding pages: those outside the step are
+        kept in `self.also_violating` for the caller."""
+        flagged = {index: item for index, (item, flag) in enumerate(zip(items, flags)) if flag}
+        if not flagged:
+            return {}
+        found: dict[int, Violation] = {}
+        for violation in self.integrity.check(list(flagged.values())):
+            found.setdefault(violation.seq_id, violation)
+        stepping = {item.seq.seq_id for item in items}
+        self.also_violating += [violation for seq_id, violation in found.items() if seq_id not in stepping]
+        return {index: found.get(item.seq.seq_id, Violation(item.seq.seq_id, KINDS[flags[index]], None))
+                for index, item in flagged.items()}
 
     def _draft_with_mtp(self, items: list[ScheduledSequence], plan: StepPlan, sampled: dict[int, int]) -> None:
         """The MTP module over the rows the step kept; each sequence that sampled gets its next draft."""

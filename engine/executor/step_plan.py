@@ -42,6 +42,7 @@ class StepPlan:
     calibrate_kv: bool = False          # the FP8 scale calibration's prefill: each rank sets its own scales
     fail_rank: int | None = None        # fault injection: this worker rank raises instead of running the step
     check: bool = False                 # integrity on: every rank checks the tables before the forward pass
+    device_check: bool = False          # one rank, integrity on the device: the runner flags the items in the step
     seq_ids: list[int] = field(default_factory=list)                # by item
     leases: list[list[int]] = field(default_factory=list)           # by item, the epoch of each table entry
     # (page, owner, epoch, position, holders who joined, who left, reset): `engine.executor.integrity.Update`

@@ -19,6 +19,7 @@ from engine.executor.faults import strike
 from engine.executor.integrity import PageRecord, Violation, agree
 from engine.executor.model_runner import DecodeGraphs, ModelRunner, graph_batch_sizes, graphs_refused
 from engine.executor.step_plan import StepPlan, WorkerFault
+from engine.kernels.backend import use_triton
 from engine.model.kv_cache import PagedKVCache
 from engine.model.loader import load_model
 from engine.model.quantized_linear import allocated_bytes_by_component
@@ -65,24 +66,34 @@ class Worker:
             return "speculative steps verify drafts: they are not decode-only"
         return graphs_refused(self.model_config, getattr(self.model, "mtp", None) is not None)
 
+    def needs_pad_page(self) -> bool:
+        """Whether the pool keeps a page no request gets: graph replays pad their batches there, and the device
+        integrity check sends a flagged request's writes there (one rank, integrity on, where Triton runs)."""
+        config = self.config
+        device_check = (config.integrity != "off" and config.tensor_parallel == 1
+                        and use_triton(torch.empty(0, device=self.device)))
+        return self.graphs_refused() is None or device_check
+
     @property
     def schedulable_pages(self) -> int:
-        """The pool's pages the block manager hands out: all but the padding page of graph replays."""
-        return self.kv_cache.num_pages - (self.graphs is not None)
+        """The pool's pages the block manager hands out: all but the padding page."""
+        return self.kv_cache.num_pages - (self.runner.pad_page is not None)
 
     def allocate_kv(self, num_pages: int) -> None:
-        """Builds the pool (and, where graphs run, captures them: the pool's last page is their padding page)."""
+        """Builds the pool (its last page the padding page where one is needed) and, where graphs run, captures
+        them."""
         page_size = self.config.page_size
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, page_size, self.device)
+        pad_page = num_pages - 1 if self.needs_pad_page() and num_pages > 1 else None
         refused = self.graphs_refused()
-        if refused is None and num_pages > 1:
+        if refused is None and pad_page is not None:
             sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_graph_batch)
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, page_size, self.max_model_len, sizes,
-                                       pad_page=num_pages - 1, capture=True)
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, page_size, self.max_model_len, sizes, pad_page,
+                                       capture=True)
             self.graphs.capture_all()
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", refused or "the pool has one page")
-        self.runner = ModelRunner(self.model, self.kv_cache, page_size, self.graphs)
+        self.runner = ModelRunner(self.model, self.kv_cache, page_size, self.graphs, pad_page)
         if self.group.rank and self.config.integrity != "off":
             self.record = PageRecord(self.config.integrity, num_pages, self.kv_cache,
                                      self.config.integrity_sample_pages, self.config.seed)
@@ -95,10 +106,10 @@ class Worker:
                        "graph_batch_sizes": self.graphs.sizes}
         return memory
 
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation]]:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, dict[int, Violation], torch.Tensor | None]:
         """Checks the plan (ranks 1.. against their own record), agrees with the other ranks on the items to drop,
         runs the rest and, on ranks 1.., seals the pages it filled. Returns the logits (None where the plan wants
-        none) and the dropped items' violations, by item."""
+        none), the dropped items' violations by item, and the device check's flags by item where the plan asked."""
         rank = self.group.rank
         if plan.fail_rank is not None and plan.fail_rank == rank:
             raise WorkerError(f"fault injected into rank {rank}")
@@ -107,12 +118,12 @@ class Worker:
             found = self._check(plan) if self.record is not None else []
             dropped = agree(self.group, plan, found)
             plan = plan.without(set(dropped))
-        logits = self.runner.forward(plan)
+        logits, flags = self.runner.forward(plan)
         if plan.check and self.record is not None:
             self.record.seal_pages(plan.filled_pages(self.config.page_size))
             if plan.calibrate_kv:
                 self.record.trust_scales()
-        return logits, dropped
+        return logits, dropped, flags
 
     def _check(self, plan: StepPlan) -> list[Violation]:
         if plan.worker_fault is not None and plan.worker_fault.rank == self.group.rank:

@@ -93,3 +93,18 @@ def test_cuda_graphs_give_the_eager_tokens(integrity):
             assert llm.num_preemptions > 0
     assert answers[False] == answers[True]
     assert replays[True] == 0 and replays[False] > 20
+
+
+def test_cuda_full_integrity_on_the_device_catches_every_fault():
+    """`full` mode with the check in the step: checksums of sealed pages and the FP8 scales flagged on the device,
+    every fault kind caught, nobody else harmed (FP8 pages, so a corrupted scale has something to corrupt)."""
+    from engine.harness.fault_campaign import FAULT_KINDS
+
+    llm = LLM(model=SMOLLM_CONFIG, weights="fp32", kv_dtype="fp8", device="cuda", page_size=8, num_pages=600,
+              integrity="full")
+    assert llm.core.integrity.on_device
+    rng = random.Random(2)
+    opening = rng.choices(range(49152), k=24)
+    prompts = [opening + rng.choices(range(49152), k=rng.randrange(3, 96)) for _ in range(16)]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 12), ignore_eos=True) for _ in prompts]
+    assert_campaign_detects(llm, (prompts, params), FAULT_KINDS, 1, seed=2)
