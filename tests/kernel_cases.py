@@ -13,15 +13,17 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
 
 
-def ragged_tables(batch: int, page_size: int, generator: torch.Generator):
-    """Context lengths (one ending on an exactly full page), block tables of pages scattered over the pool,
-    and the pool's page count (a few spare)."""
-    lengths = torch.randint(1, 5 * page_size, (batch,), generator=generator)
+def ragged_tables(batch: int, page_size: int, generator: torch.Generator, max_pages: int = 5,
+                  spare_columns: int = 0):
+    """Context lengths of up to `max_pages` pages (one ending on an exactly full page), block tables of pages
+    scattered over the pool (`spare_columns` more than the longest needs, as a graph's tables are), and the pool's
+    page count (a few spare)."""
+    lengths = torch.randint(1, max_pages * page_size, (batch,), generator=generator)
     lengths[0] = page_size * 2
     pages_per_seq = (lengths + page_size - 1) // page_size
     num_pages = int(pages_per_seq.sum()) + 3
     order = torch.randperm(num_pages, generator=generator)
-    tables = torch.zeros(batch, int(pages_per_seq.max()), dtype=torch.int32)
+    tables = torch.zeros(batch, int(pages_per_seq.max()) + spare_columns, dtype=torch.int32)
     cursor = 0
     for b, count in enumerate(pages_per_seq.tolist()):
         tables[b, :count] = order[cursor:cursor + count].to(torch.int32)
@@ -30,9 +32,10 @@ def ragged_tables(batch: int, page_size: int, generator: torch.Generator):
 
 
 def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-               page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int):
+               page_dtype: torch.dtype, q_dtype: torch.dtype, device: str, seed: int, max_pages: int = 5,
+               spare_columns: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    lengths, tables, num_pages = ragged_tables(batch, page_size, generator)
+    lengths, tables, num_pages = ragged_tables(batch, page_size, generator, max_pages, spare_columns)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     keys = torch.randn(shape, generator=generator)
     values = torch.randn(shape, generator=generator)

@@ -24,7 +24,7 @@ from engine.kernels.int4_matmul import w4a16_matmul
 from engine.kernels.kv_write import kv_write
 from engine.kernels.mla_decode import paged_mla_decode
 from engine.kernels.ownership_check import ownership_check
-from engine.kernels.paged_attention import paged_decode_attention
+from engine.kernels.paged_attention import paged_decode_attention, split_pages_for
 from engine.kernels.sparse_mla_decode import sparse_mla_decode
 from engine.kernels.step_integrity import step_integrity_flags
 
@@ -42,6 +42,21 @@ def test_paged_decode_attention(heads, head_dim, page_size, page_dtype, q_dtype)
     expected = reference.paged_decode_attention(**case)
     assert not torch.isnan(out).any()
     assert relative_error(out, expected) < (1e-5 if q_dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("page_dtype, q_dtype", [(torch.float32, torch.float32), (FP8, torch.float32)])
+@pytest.mark.parametrize("batch, max_pages, spare_columns", [(3, 37, 0), (1, 9, 60), (5, 2, 0)])
+def test_paged_decode_attention_splits_the_context(batch, max_pages, spare_columns, page_dtype, q_dtype):
+    """Long ragged contexts over several splits merged, a table far wider than its contexts (a graph's: the splits
+    past a context do nothing), and one split (short tables: the kernel writes the output itself)."""
+    case = paged_case(batch, 6, 2, 48, 8, page_dtype, q_dtype, DEVICE, seed=batch + max_pages, max_pages=max_pages,
+                      spare_columns=spare_columns)
+    width = case["block_tables"].shape[1]
+    splits = -(-width // split_pages_for(batch, 2, width))
+    assert (splits > 1) == (max_pages > 4 or spare_columns > 0)
+    out = paged_decode_attention(**case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.paged_decode_attention(**case)) < 1e-5
 
 
 @pytest.mark.parametrize("heads, latent_dim, rope_dim", [(4, 32, 8), (20, 64, 16), (3, 48, 24)])
@@ -149,6 +164,17 @@ def test_w4a16_matmul(m, n, k, group_size, dtype):
     expected = reference.w4a16_matmul(*case)
     assert out.shape == (m, n) and out.dtype == dtype and not torch.isnan(out).any()
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("split_k", [1, 3, 5])
+def test_w4a16_matmul_splits_k(split_k):
+    """One row, K of 5 blocks of 64 shared by 1, 3 (two blocks each, the last split short) or 5 programs."""
+    case = int4_case(1, 72, 320, 64, torch.float32, DEVICE, seed=split_k)
+    out = w4a16_matmul(*case, split_k=split_k)
+    assert relative_error(out, reference.w4a16_matmul(*case)) < 1e-5
+    assert out.shape == (1, 72) and out.dtype == torch.float32
+    with pytest.raises(ValueError, match="split_k must be in 1..5"):
+        w4a16_matmul(*case, split_k=6)
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 64, 64), (7, 80, 100), (20, 33, 160)])

@@ -1,8 +1,12 @@
 """Paged decode attention in Triton: one query per sequence, K/V read through the block table.
 
-One program per (sequence, KV head) walks the sequence's pages with an online softmax; the query heads
-that share the KV head (GQA) are handled together. FP8 pages are dequantized on load with the KV head's
-scale, so no dequantized copy of the cache is ever written.
+The context is split across programs (flash-decoding): program (sequence, KV head, split) walks its share of the
+sequence's pages with an online softmax, the query heads that share the KV head (GQA) together, and writes its
+partial maximum, sum and weighted values; a second kernel merges the splits of each (sequence, head). A short
+batch then still fills the device: at batch 1, 8 KV heads and 512 tokens, one program per KV head left 8 programs
+streaming a page at a time (0.11 ms a layer on an H200, 19 GB/s). The grid depends on the batch and the block
+table's width only, never on the context lengths, so a CUDA graph replays it for any lengths. FP8 pages are
+dequantized on load with the KV head's scale, so no dequantized copy of the cache is ever written.
 """
 from __future__ import annotations
 
@@ -14,52 +18,105 @@ from engine.kernels._checks import check, check_tensor, next_power_of_2
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
+MIN_SPLIT_PAGES = 4             # a split's share of a table: at least this many pages
+TARGET_PROGRAMS = 8192          # (sequence, KV head, split) programs a call aims at, most exiting at once when short
+BLOCK_SPLITS = 16               # splits the merge reads at a time
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, k_scale_ptr, v_scale_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_max_ptr, part_sum_ptr,
+                         k_scale_ptr, v_scale_ptr, scale, split_pages,
                          stride_qb, stride_qh, stride_page, stride_slot, stride_kvh, stride_tb,
-                         stride_ob, stride_oh,
+                         stride_ob, stride_oh, stride_pb, stride_ph,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, PAGE_SIZE)
-    g_ok = g < GROUP
-    d_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    split = tl.program_id(2)
     length = tl.load(lens_ptr + seq)
-    if FP8:
-        k_scale = tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
-    running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for p in range(0, tl.cdiv(length, PAGE_SIZE)):
-        page = tl.load(tables_ptr + seq * stride_tb + p).to(tl.int64)
-        s_ok = p * PAGE_SIZE + s < length
-        offsets = page * stride_page + s[:, None] * stride_slot + kv_head * stride_kvh + d[None, :]
-        tile_mask = s_ok[:, None] & d_ok[None, :]
-        keys = tl.load(k_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * k_scale
-        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale                  # [G, PAGE]
-        scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        values = tl.load(v_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * v_scale
-        acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
-        running_max = new_max
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    first = split * split_pages
+    last = tl.minimum(first + split_pages, tl.cdiv(length, PAGE_SIZE))
+    if first < last:                    # splits past the context have nothing to do (the merge skips them)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        s = tl.arange(0, PAGE_SIZE)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if FP8:
+            k_scale = tl.load(k_scale_ptr + kv_head)
+            v_scale = tl.load(v_scale_ptr + kv_head)
+        else:
+            k_scale = 1.0
+            v_scale = 1.0
+        running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for p in range(first, last):
+            page = tl.load(tables_ptr + seq * stride_tb + p).to(tl.int64)
+            s_ok = p * PAGE_SIZE + s < length
+            offsets = page * stride_page + s[:, None] * stride_slot + kv_head * stride_kvh + d[None, :]
+            tile_mask = s_ok[:, None] & d_ok[None, :]
+            keys = tl.load(k_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * k_scale
+            scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2) * scale                  # [G, PAGE]
+            scores = tl.where(s_ok[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            weights = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(weights, axis=1)
+            values = tl.load(v_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * v_scale
+            acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
+            running_max = new_max
+        out_mask = g_ok[:, None] & d_ok[None, :]
+        if SPLIT:                       # the partial: its maximum, sum and unnormalized values, per query head
+            part = seq * stride_pb + heads * stride_ph + split
+            tl.store(part_max_ptr + part, running_max, mask=g_ok)
+            tl.store(part_sum_ptr + part, running_sum, mask=g_ok)
+            tl.store(out_ptr + (part[:, None] * HEAD_DIM) + d[None, :], acc, mask=out_mask)
+        else:
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, split_pages,
+                         stride_pb, stride_ph, stride_ob, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.cdiv(tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE), split_pages)      # those that wrote a partial
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = seq * stride_pb + head * stride_ph
+    total_max = tl.full([1], float("-inf"), dtype=tl.float32)
+    total_sum = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, splits, BLOCK_S):
+        index = start + tl.arange(0, BLOCK_S)
+        ok = index < splits
+        maxima = tl.load(part_max_ptr + base + index, mask=ok, other=float("-inf"))
+        sums = tl.load(part_sum_ptr + base + index, mask=ok, other=0.0)
+        values = tl.load(part_acc_ptr + (base + index)[:, None] * HEAD_DIM + d[None, :],
+                         mask=ok[:, None] & d_ok[None, :], other=0.0)
+        new_max = tl.maximum(total_max, tl.max(maxima, axis=0))
+        weights = tl.where(ok, tl.exp(maxima - new_max), 0.0)
+        correction = tl.exp(total_max - new_max)
+        total_sum = total_sum * correction + tl.sum(weights * sums, axis=0)
+        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
+        total_max = new_max
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, (acc / total_sum).to(out_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+def split_pages_for(batch: int, num_kv_heads: int, table_pages: int) -> int:
+    """Pages of a table each split covers: few enough that a short batch spreads over many programs, enough that a
+    long table does not launch far more programs than the device runs at once. A power of two, from the batch and
+    the table's width only (a graph's replays share it)."""
+    wanted = -(-table_pages * batch * num_kv_heads // TARGET_PROGRAMS)
+    return max(MIN_SPLIT_PAGES, next_power_of_2(max(wanted, 1)))
 
 
 def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
@@ -92,12 +149,29 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
             check(scales.shape[0] == num_kv_heads, f"{name} needs {num_kv_heads} entries, got {scales.shape[0]}")
     dummy = torch.ones(1, dtype=torch.float32, device=device)
     out = torch.empty_like(q)
+    if batch == 0:
+        return out
     group = num_heads // num_kv_heads
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, key_pages, value_pages, block_tables, context_lens, out,
-        k_scales if fp8 else dummy, v_scales if fp8 else dummy, scale,
+    table_pages = max(block_tables.shape[1], 1)
+    split_pages = split_pages_for(batch, num_kv_heads, table_pages)
+    splits = -(-table_pages // split_pages)
+    constants = dict(HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=page_size)
+    if splits > 1:
+        part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=device)
+        target = part_acc
+    else:
+        part_max = part_sum = dummy
+        target = out
+    _paged_decode_kernel[(batch, num_kv_heads, splits)](
+        q, key_pages, value_pages, block_tables, context_lens, target, part_max, part_sum,
+        k_scales if fp8 else dummy, v_scales if fp8 else dummy, scale, split_pages,
         q.stride(0), q.stride(1), key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        PAGE_SIZE=page_size, FP8=fp8)
+        block_tables.stride(0), out.stride(0), out.stride(1), num_heads * splits, splits,
+        GROUP=group, BLOCK_G=next_power_of_2(group), FP8=fp8, SPLIT=splits > 1, **constants)
+    if splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_acc, part_max, part_sum, context_lens, out, split_pages, num_heads * splits, splits,
+            out.stride(0), out.stride(1), num_heads, BLOCK_S=BLOCK_SPLITS, **constants)
     return out

@@ -126,3 +126,21 @@ def test_step_integrity_flags(items, pages, width, full):
     expected = reference.step_integrity_flags(**(case | {"slots": expected_slots}), pad_slot=5)
     flags = step_integrity_flags(**case, pad_slot=5)
     assert torch.equal(flags, expected) and torch.equal(case["slots"], expected_slots)
+
+
+@pytest.mark.parametrize("page_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("batch, max_pages, spare_columns", [(1, 64, 448), (8, 300, 0), (64, 8, 0)])
+def test_paged_decode_attention_splits_long_contexts_cuda(batch, max_pages, spare_columns, page_dtype):
+    """Flash-decoding's splits and merge on the device: one long context in a graph-wide table, several long ones,
+    many short ones."""
+    case = paged_case(batch, 32, 8, 128, 16, page_dtype, torch.bfloat16, DEVICE, seed=batch, max_pages=max_pages,
+                      spare_columns=spare_columns)
+    out = paged_decode_attention(**case)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, reference.paged_decode_attention(**case)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m, n, k, group_size", [(1, 4096, 4096, 128), (3, 14336, 4096, 64), (16, 4096, 14336, 32)])
+def test_w4a16_split_k_cuda(m, n, k, group_size):
+    case = int4_case(m, n, k, group_size, torch.bfloat16, DEVICE, seed=m)
+    assert relative_error(w4a16_matmul(*case), reference.w4a16_matmul(*case)) < TOLERANCE[torch.bfloat16]
