@@ -55,10 +55,10 @@ def paged_case(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, pag
 
 
 def mla_case(batch: int, num_heads: int, latent_dim: int, rope_dim: int, page_size: int, page_dtype: torch.dtype,
-             q_dtype: torch.dtype, device: str, seed: int):
+             q_dtype: torch.dtype, device: str, seed: int, max_pages: int = 5, spare_columns: int = 0):
     """Latent pages scattered over the pool, ragged lengths, a latent and a rope key of different ranges."""
     generator = torch.Generator().manual_seed(seed)
-    lengths, tables, num_pages = ragged_tables(batch, page_size, generator)
+    lengths, tables, num_pages = ragged_tables(batch, page_size, generator, max_pages, spare_columns)
     rows = torch.cat([torch.randn(num_pages, page_size, latent_dim, generator=generator),
                       torch.randn(num_pages, page_size, rope_dim, generator=generator) * 4], dim=-1)
     scales = None

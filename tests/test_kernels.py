@@ -71,6 +71,14 @@ def test_paged_mla_decode(heads, latent_dim, rope_dim, page_dtype, q_dtype):
     assert relative_error(out, expected) < (1e-5 if q_dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("batch, max_pages, spare_columns", [(2, 23, 0), (1, 3, 40)])
+def test_paged_mla_decode_splits_the_context(batch, max_pages, spare_columns):
+    """Long ragged contexts over several merged splits, and a table much wider than its context."""
+    case = mla_case(batch, 20, 64, 16, 16, torch.float32, torch.float32, DEVICE, seed=max_pages, max_pages=max_pages,
+                    spare_columns=spare_columns)
+    assert relative_error(paged_mla_decode(**case), reference.paged_mla_decode(**case)) < 1e-5
+
+
 def test_paged_mla_decode_refuses_bad_calls():
     case = mla_case(2, 4, 32, 8, 16, torch.float32, torch.float32, DEVICE, seed=0)
     with pytest.raises(ValueError, match="page size"):

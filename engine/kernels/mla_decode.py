@@ -2,10 +2,12 @@
 
 A cache row is [latent (kv_lora_rank) | rope key (qk_rope_head_dim)]; a head's query is [W_UKᵀ q_nope |
 q_rope] of the same width, and the output is the softmax-weighted sum of the latents (W_UV is applied
-after). One program per (sequence, block of heads) walks the sequence's pages with an online softmax:
-the page is read once for all the heads of the block, which is what makes MLA decode cheap (one row of
-576 elements per token for 64 or 128 heads). FP8 pages are dequantized on load with the layer's two
-scales (latent, rope key), so no dequantized copy of the cache is written.
+after). One program per (sequence, block of heads, split of the context) walks its pages with an online
+softmax: the page is read once for all the heads of the block, which is what makes MLA decode cheap (one row
+of 576 elements per token for 64 or 128 heads); the splits' partials are merged as in
+`engine.kernels.split_context` (flash-decoding), fewer of them than for GQA since each carries 512-wide rows
+per head. FP8 pages are dequantized on load with the layer's two scales (latent, rope key), so no dequantized
+copy of the cache is written.
 """
 from __future__ import annotations
 
@@ -14,21 +16,30 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels.split_context import merge_splits, split_pages_for
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 MIN_DOT = 16                # tl.dot needs every dimension >= 16
 BLOCK_HEADS = 16
+TARGET_PROGRAMS = 1024      # (sequence, head block, split) programs: each split's partial is a 512-wide row a head
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, scales_ptr, scale,
-                       stride_qb, stride_qh, stride_page, stride_slot, stride_tb, stride_ob, stride_oh,
+def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, part_max_ptr, part_sum_ptr, scales_ptr,
+                       scale, split_pages, stride_qb, stride_qh, stride_page, stride_slot, stride_tb, stride_ob,
+                       stride_oh, stride_pb, stride_ph,
                        NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LATENT: tl.constexpr,
                        BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr):
+                       PAGE_SIZE: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + seq)
+    first = split * split_pages
+    last = tl.minimum(first + split_pages, tl.cdiv(length, PAGE_SIZE))
+    if first >= last:                   # past the context: nothing to do, the merge does not read it
+        return
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     s = tl.arange(0, PAGE_SIZE)
@@ -44,11 +55,10 @@ def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, scales_p
     else:
         latent_scale = 1.0
         rope_scale = 1.0
-    length = tl.load(lens_ptr + seq)
     running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for index in range(0, tl.cdiv(length, PAGE_SIZE)):
+    for index in range(first, last):
         page = tl.load(tables_ptr + seq * stride_tb + index).to(tl.int64)
         s_ok = index * PAGE_SIZE + s < length
         rows = pages_ptr + page * stride_page + s[:, None] * stride_slot
@@ -65,9 +75,15 @@ def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, scales_p
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
         running_max = new_max
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & r_ok[None, :])
+    out_mask = h_ok[:, None] & r_ok[None, :]
+    if SPLIT:                           # the partial: maximum, sum and unnormalized latent sum, per head
+        part = seq * stride_pb + heads * stride_ph + split
+        tl.store(part_max_ptr + part, running_max, mask=h_ok)
+        tl.store(part_sum_ptr + part, running_sum, mask=h_ok)
+        tl.store(out_ptr + part[:, None] * LATENT + r[None, :], acc, mask=out_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :],
+                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def check_mla_call(q: torch.Tensor, latent_pages: torch.Tensor, latent_dim: int, scales: torch.Tensor | None,
@@ -109,13 +125,26 @@ def paged_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: 
     page_size = latent_pages.shape[1]
     rope_dim = width - latent_dim
     out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
-    grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
-    _mla_decode_kernel[grid](
-        q, latent_pages, block_tables, context_lens, out, scales if fp8 else out, scale,
-        q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+    if batch == 0:
+        return out
+    head_blocks = triton.cdiv(num_heads, BLOCK_HEADS)
+    table_pages = max(block_tables.shape[1], 1)
+    split_pages = split_pages_for(batch, head_blocks, table_pages, TARGET_PROGRAMS)
+    splits = triton.cdiv(table_pages, split_pages)
+    target = out
+    part_max = part_sum = out
+    if splits > 1:
+        part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        target = torch.empty(batch, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
+    _mla_decode_kernel[(batch, head_blocks, splits)](
+        q, latent_pages, block_tables, context_lens, target, part_max, part_sum, scales if fp8 else out, scale,
+        split_pages, q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_heads * splits, splits,
         NUM_HEADS=num_heads, BLOCK_H=BLOCK_HEADS, LATENT=latent_dim,
         BLOCK_R=max(MIN_DOT, next_power_of_2(latent_dim)), ROPE=rope_dim,
         BLOCK_P=max(MIN_DOT, next_power_of_2(rope_dim)), PAGE_SIZE=page_size, FP8=fp8,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")      # fp32 queries keep full precision
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1)   # fp32 queries: full precision
+    if splits > 1:
+        merge_splits(target, part_max, part_sum, context_lens, out, split_pages, page_size)
     return out

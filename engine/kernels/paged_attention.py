@@ -15,12 +15,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor, next_power_of_2
+from engine.kernels.split_context import merge_splits, split_pages_for
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
-MIN_SPLIT_PAGES = 4             # a split's share of a table: at least this many pages
-TARGET_PROGRAMS = 8192          # (sequence, KV head, split) programs a call aims at, most exiting at once when short
-BLOCK_SPLITS = 16               # splits the merge reads at a time
 
 
 @triton.jit
@@ -80,45 +78,6 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
                      (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, split_pages,
-                         stride_pb, stride_ph, stride_ob, stride_oh, num_heads,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.cdiv(tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE), split_pages)      # those that wrote a partial
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    base = seq * stride_pb + head * stride_ph
-    total_max = tl.full([1], float("-inf"), dtype=tl.float32)
-    total_sum = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, splits, BLOCK_S):
-        index = start + tl.arange(0, BLOCK_S)
-        ok = index < splits
-        maxima = tl.load(part_max_ptr + base + index, mask=ok, other=float("-inf"))
-        sums = tl.load(part_sum_ptr + base + index, mask=ok, other=0.0)
-        values = tl.load(part_acc_ptr + (base + index)[:, None] * HEAD_DIM + d[None, :],
-                         mask=ok[:, None] & d_ok[None, :], other=0.0)
-        new_max = tl.maximum(total_max, tl.max(maxima, axis=0))
-        weights = tl.where(ok, tl.exp(maxima - new_max), 0.0)
-        correction = tl.exp(total_max - new_max)
-        total_sum = total_sum * correction + tl.sum(weights * sums, axis=0)
-        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
-        total_max = new_max
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, (acc / total_sum).to(out_ptr.dtype.element_ty),
-             mask=d_ok)
-
-
-def split_pages_for(batch: int, num_kv_heads: int, table_pages: int) -> int:
-    """Pages of a table each split covers: few enough that a short batch spreads over many programs, enough that a
-    long table does not launch far more programs than the device runs at once. A power of two, from the batch and
-    the table's width only (a graph's replays share it)."""
-    wanted = -(-table_pages * batch * num_kv_heads // TARGET_PROGRAMS)
-    return max(MIN_SPLIT_PAGES, next_power_of_2(max(wanted, 1)))
-
-
 def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scales: torch.Tensor | None = None,
@@ -171,7 +130,5 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads * splits, splits,
         GROUP=group, BLOCK_G=next_power_of_2(group), FP8=fp8, SPLIT=splits > 1, **constants)
     if splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            part_acc, part_max, part_sum, context_lens, out, split_pages, num_heads * splits, splits,
-            out.stride(0), out.stride(1), num_heads, BLOCK_S=BLOCK_SPLITS, **constants)
+        merge_splits(part_acc, part_max, part_sum, context_lens, out, split_pages, page_size)
     return out
