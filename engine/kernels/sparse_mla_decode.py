@@ -2,8 +2,10 @@
 over the same latent rows, but the rows are the sequence's selected positions (at most `index_topk`, gathered
 through its block table) rather than its whole context, so the cost stops growing with the context.
 
-One program per (sequence, block of heads) walks the selection in blocks of 16 positions with an online
-softmax; -1 pads are masked. FP8 rows are dequantized on load with the layer's two scales (latent, rope key).
+One program per (sequence, block of heads, split of the selection) walks its share of the selection in blocks of
+16 positions with an online softmax; -1 pads are masked; the splits' partials are merged as in
+`engine.kernels.split_context` (flash-decoding over the 2048 selected tokens, not 16 programs a batch-1 layer).
+FP8 rows are dequantized on load with the layer's two scales (latent, rope key).
 """
 from __future__ import annotations
 
@@ -12,20 +14,24 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check_tensor, next_power_of_2
-from engine.kernels.mla_decode import BLOCK_HEADS, MIN_DOT, check_mla_call
+from engine.kernels.mla_decode import BLOCK_HEADS, MIN_DOT, TARGET_PROGRAMS, check_mla_call
+from engine.kernels.split_context import merge_splits
 
 BLOCK_SELECTED = 16
 
 
 @triton.jit
-def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_ptr, scales_ptr, scale, num_selected,
+def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_ptr, part_max_ptr, part_sum_ptr,
+                              scales_ptr, scale, num_selected, split_size,
                               stride_qb, stride_qh, stride_page, stride_slot, stride_tb, stride_pb, stride_ob,
-                              stride_oh, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LATENT: tl.constexpr,
+                              stride_oh, stride_xb, stride_xh,
+                              NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, LATENT: tl.constexpr,
                               BLOCK_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_P: tl.constexpr,
                               BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     k = tl.arange(0, BLOCK_K)
@@ -44,7 +50,7 @@ def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_p
     running_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    for start in range(0, num_selected, BLOCK_K):
+    for start in range(split * split_size, tl.minimum((split + 1) * split_size, num_selected), BLOCK_K):
         position = tl.load(positions_ptr + seq * stride_pb + start + k, mask=start + k < num_selected, other=-1)
         k_ok = position >= 0
         position = tl.where(k_ok, position, 0)
@@ -64,9 +70,15 @@ def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_p
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
         running_max = new_max
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & r_ok[None, :])
+    out_mask = h_ok[:, None] & r_ok[None, :]
+    if SPLIT:                           # the partial (a split of pads only: maximum -inf, sum 0)
+        part = seq * stride_xb + heads * stride_xh + split
+        tl.store(part_max_ptr + part, running_max, mask=h_ok)
+        tl.store(part_sum_ptr + part, running_sum, mask=h_ok)
+        tl.store(out_ptr + part[:, None] * LATENT + r[None, :], acc, mask=out_mask)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :],
+                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,
@@ -80,13 +92,27 @@ def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables:
     page_size = latent_pages.shape[1]
     rope_dim = width - latent_dim
     out = torch.empty(batch, num_heads, latent_dim, dtype=q.dtype, device=q.device)
-    grid = (batch, triton.cdiv(num_heads, BLOCK_HEADS))
-    _sparse_mla_decode_kernel[grid](
-        q, latent_pages, block_tables, positions, out, scales if fp8 else out, scale, positions.shape[1],
-        q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1), block_tables.stride(0),
-        positions.stride(0), out.stride(0), out.stride(1),
+    if batch == 0:
+        return out
+    head_blocks = triton.cdiv(num_heads, BLOCK_HEADS)
+    num_selected = positions.shape[1]
+    blocks = max(triton.cdiv(num_selected, BLOCK_SELECTED), 1)
+    splits = max(1, min(blocks, TARGET_PROGRAMS // (batch * head_blocks)))
+    split_size = triton.cdiv(blocks, splits) * BLOCK_SELECTED
+    splits = max(1, triton.cdiv(num_selected, split_size))
+    target = part_max = part_sum = out
+    if splits > 1:
+        part_max = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        target = torch.empty(batch, num_heads, splits, latent_dim, dtype=torch.float32, device=q.device)
+    _sparse_mla_decode_kernel[(batch, head_blocks, splits)](
+        q, latent_pages, block_tables, positions, target, part_max, part_sum, scales if fp8 else out, scale,
+        num_selected, split_size, q.stride(0), q.stride(1), latent_pages.stride(0), latent_pages.stride(1),
+        block_tables.stride(0), positions.stride(0), out.stride(0), out.stride(1), num_heads * splits, splits,
         NUM_HEADS=num_heads, BLOCK_H=BLOCK_HEADS, LATENT=latent_dim,
         BLOCK_R=max(MIN_DOT, next_power_of_2(latent_dim)), ROPE=rope_dim,
         BLOCK_P=max(MIN_DOT, next_power_of_2(rope_dim)), BLOCK_K=BLOCK_SELECTED, PAGE_SIZE=page_size, FP8=fp8,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")      # fp32 queries keep full precision
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1)   # fp32 queries: full precision
+    if splits > 1:
+        merge_splits(target, part_max, part_sum, None, out)
     return out

@@ -1,6 +1,7 @@
 """Flash-decoding's two halves shared by the decode kernels: how many pages of a block table each program covers,
 and the merge of the programs' partial softmax results (maximum, sum, unnormalized values) per (sequence, head).
-A split that had no page of its sequence wrote nothing and is not read."""
+A split past its sequence's context wrote nothing and is not read (`context_lens` given); a split of a DSA
+selection that held only pads wrote a maximum of -inf and weighs nothing."""
 from __future__ import annotations
 
 import torch
@@ -15,13 +16,16 @@ BLOCK_SPLITS = 16               # splits the merge reads at a time
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, split_pages,
+def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, split_pages, num_splits,
                          stride_pb, stride_ph, stride_ob, stride_oh, num_heads,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BY_LENGTH: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.cdiv(tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE), split_pages)      # those that wrote a partial
+    if BY_LENGTH:                       # the splits that had pages of the context: those that wrote a partial
+        splits = tl.cdiv(tl.cdiv(tl.load(lens_ptr + seq), PAGE_SIZE), split_pages)
+    else:
+        splits = num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     base = seq * stride_pb + head * stride_ph
@@ -36,8 +40,9 @@ def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out
         values = tl.load(part_acc_ptr + (base + index)[:, None] * HEAD_DIM + d[None, :],
                          mask=ok[:, None] & d_ok[None, :], other=0.0)
         new_max = tl.maximum(total_max, tl.max(maxima, axis=0))
-        weights = tl.where(ok, tl.exp(maxima - new_max), 0.0)
-        correction = tl.exp(total_max - new_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)       # nothing but pads so far: nothing to weigh
+        weights = tl.where(ok & (maxima > float("-inf")), tl.exp(maxima - shift), 0.0)
+        correction = tl.exp(total_max - shift)
         total_sum = total_sum * correction + tl.sum(weights * sums, axis=0)
         acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
         total_max = new_max
@@ -55,12 +60,12 @@ def split_pages_for(batch: int, programs_per_split: int, table_pages: int,
     return max(MIN_SPLIT_PAGES, next_power_of_2(max(wanted, 1)))
 
 
-def merge_splits(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor, context_lens: torch.Tensor,
-                 out: torch.Tensor, split_pages: int, page_size: int) -> None:
-    """Merges the partials [batch, heads, splits(, dim)] (fp32) of the splits that had pages into `out` [batch,
-    heads, dim]."""
+def merge_splits(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                 context_lens: torch.Tensor | None, out: torch.Tensor, split_pages: int = 1, page_size: int = 1) -> None:
+    """Merges the partials [batch, heads, splits(, dim)] (fp32) into `out` [batch, heads, dim]: with
+    `context_lens`, those of the splits of `split_pages` pages that reach into each context; without, all."""
     batch, num_heads, splits, dim = part_acc.shape
     _merge_splits_kernel[(batch, num_heads)](
-        part_acc, part_max, part_sum, context_lens, out, split_pages, num_heads * splits, splits,
-        out.stride(0), out.stride(1), num_heads, HEAD_DIM=dim, BLOCK_D=next_power_of_2(dim), PAGE_SIZE=page_size,
-        BLOCK_S=BLOCK_SPLITS)
+        part_acc, part_max, part_sum, part_max if context_lens is None else context_lens, out, split_pages, splits,
+        num_heads * splits, splits, out.stride(0), out.stride(1), num_heads, HEAD_DIM=dim,
+        BLOCK_D=next_power_of_2(dim), PAGE_SIZE=page_size, BLOCK_S=BLOCK_SPLITS, BY_LENGTH=context_lens is not None)
