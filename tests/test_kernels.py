@@ -113,7 +113,8 @@ def test_paged_indexer_scores_refuses_bad_calls():
                                 "key_scales": case["key_scales"].reshape(-1, 8)})
 
 
-@pytest.mark.parametrize("heads, latent_dim, rope_dim, topk", [(4, 32, 8, 24), (20, 64, 16, 40), (3, 48, 24, 16)])
+@pytest.mark.parametrize("heads, latent_dim, rope_dim, topk", [(4, 32, 8, 24), (20, 64, 16, 40), (3, 48, 24, 16),
+                                                         (4, 32, 8, 64)])   # 64: the first row (32 tokens) ends in splits of pads only
 @pytest.mark.parametrize("page_dtype, q_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                  (FP8, torch.float32)])
 def test_sparse_mla_decode(heads, latent_dim, rope_dim, topk, page_dtype, q_dtype):
