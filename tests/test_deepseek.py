@@ -135,18 +135,21 @@ def test_the_engine_allocates_what_engine_info_says(tmp_path, weights):
 
 def test_the_triton_mla_decode_gives_the_torch_tokens(deepseek, monkeypatch):
     """The engine's GPU path, run on CPU in the Triton interpreter: the paged MLA kernel reads the latent
-    pages in place."""
-    from engine.kernels import mla_decode
+    pages in place, the routed experts run as one grouped GEMM per projection."""
+    from engine.kernels import fused_moe, mla_decode
     from engine.kernels.backend import ENV_VARIABLE
 
     folder, _, prompts, expected = deepseek
     llm = engine(folder, page_size=16, num_pages=64)
-    calls = []
-    original = mla_decode.paged_mla_decode
+    calls, moe_calls = [], []
+    original, original_moe = mla_decode.paged_mla_decode, fused_moe.fused_experts
     monkeypatch.setattr(mla_decode, "paged_mla_decode", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(fused_moe, "fused_experts", lambda *a, **k: moe_calls.append(1) or original_moe(*a, **k))
     monkeypatch.setenv(ENV_VARIABLE, "triton")
     assert greedy(llm, prompts[:3]) == expected[:3]
     assert len(calls) >= (MAX_TOKENS - 1) * TINY_DEEPSEEK["num_hidden_layers"]
+    moe_layers = TINY_DEEPSEEK["num_hidden_layers"] - TINY_DEEPSEEK["first_k_dense_replace"]
+    assert len(moe_calls) >= (MAX_TOKENS - 1) * moe_layers
 
 
 def test_the_fault_campaign_on_an_mla_model(deepseek):

@@ -19,6 +19,7 @@ from kernel_cases import (
 
 from engine.kernels import reference
 from engine.kernels.fp8_matmul import w8a16_matmul
+from engine.kernels.fused_moe import align_pairs, fused_experts
 from engine.kernels.indexer_scores import paged_indexer_scores
 from engine.kernels.int4_matmul import w4a16_matmul
 from engine.kernels.kv_write import kv_write
@@ -228,3 +229,47 @@ def test_step_integrity_flags(items, pages, width, full):
     flags = step_integrity_flags(**case, pad_slot=7)
     assert torch.equal(flags, expected) and torch.equal(case["slots"], expected_slots)
     assert items == 1 or 0 < int((flags != 0).sum()) < items
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "first_expert", "num_experts"), [(1, 2, 0, 6), (9, 3, 0, 6),
+                                                                               (7, 4, 2, 3)])
+def test_align_pairs_sorts_each_local_pair_once_into_blocks_of_its_expert(tokens, top_k, first_expert, num_experts):
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:top_k] for _ in range(tokens)])
+    sorted_pairs, block_experts = align_pairs(ids, first_expert, num_experts, block_m=4)
+    local = ids.flatten() - first_expert
+    mine = [pair for pair in range(ids.numel()) if 0 <= local[pair] < num_experts]
+    assert sorted(p for p in sorted_pairs.tolist() if p >= 0) == mine
+    for block, expert in enumerate(block_experts.tolist()):
+        rows = [p for p in sorted_pairs[4 * block:4 * block + 4].tolist() if p >= 0]
+        assert (expert >= 0) == bool(rows) and all(local[p] == expert for p in rows)
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize(("tokens", "first_expert"), [(1, 0), (11, 0), (6, 2)])
+def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, int4):
+    """One grouped GEMM per projection against the per-expert loop: float experts, INT4 ones (group 32, the loop
+    over their dequantized weights), a rank holding experts 2..5 of 8 (the others' pairs contribute nothing)."""
+    from engine.core.memory import WeightFormat
+    from engine.model.layers.moe import Experts
+    from engine.model.quant import dequantize_int4
+    from engine.model.quantized_linear import QuantizedExperts
+
+    generator = torch.Generator().manual_seed(tokens + 10 * int4)
+    experts = Experts(4 if first_expert else 8, 64, 96 if int4 else 40)      # float: K=40 ends in a partial block
+    experts.first_expert = first_expert
+    for parameter in experts.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
+    x = torch.randn(tokens, 64, generator=generator)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:3] for _ in range(tokens)])
+    weights = torch.rand(tokens, 3, generator=generator)
+    module = experts
+    if int4:
+        module = QuantizedExperts(experts, WeightFormat("int4", 32))
+        for name in ("gate_up_proj", "down_proj"):          # the loop's weights: the INT4 ones, dequantized
+            stacked = [dequantize_int4(module._linear(e, name).weight_int4) for e in range(experts.num_experts)]
+            getattr(experts, name).data = torch.stack(stacked)
+    fused = fused_experts(x, weights, ids, first_expert, experts.num_experts, *module.fused_stacks())
+    expected = experts.grouped(x, weights, ids)
+    assert not torch.isnan(fused).any()
+    assert relative_error(fused, expected) < 1e-5

@@ -171,6 +171,18 @@ class QuantizedExperts(GroupedExperts):
         gate, up = self._linear(index, "gate_up_proj")(x).split(self.intermediate_size, dim=-1)
         return self._linear(index, "down_proj")(F.silu(gate) * up)
 
+    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
+        """INT4 stacks (packed, scales, minimums: a symmetric grid's minimums made from its scales); FP8 experts
+        keep the loop."""
+        if self.fmt.dtype != "int4" or self.fmt.group_size % 32:
+            return None
+
+        def stack(name: str) -> tuple[torch.Tensor, ...]:
+            scales, minimums = getattr(self, f"{name}_scales"), getattr(self, f"{name}_minimums")
+            return (getattr(self, f"{name}_packed"), scales,
+                    -SYMMETRIC_OFFSET * scales if minimums is None else minimums)
+        return stack("gate_up_proj"), stack("down_proj"), self.fmt.group_size
+
 
 def quantize_linear_weight(weight: torch.Tensor, fmt: WeightFormat, search: bool = False) -> Int4Weight | Fp8Weight:
     if fmt.dtype == "int4":

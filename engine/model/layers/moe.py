@@ -2,7 +2,9 @@
 
 The routed experts run grouped by expert: a step's (token, expert) pairs are sorted by expert once, and
 each expert the batch touches multiplies its rows in one matmul; untouched experts cost nothing. The
-loop is over experts, never over tokens.
+loop is over experts, never over tokens. Where Triton runs, float and INT4 experts run as one grouped GEMM per
+projection instead (`engine.kernels.fused_moe`: no loop, nothing read back to the host); the loop is its
+reference.
 
     pairs (token, slot) ──sort by expert──► [e0 e0 e0 | e3 | e5 e5 | ...] ──per expert: SwiGLU──► weighted
     sum back into each token's row (index_add)
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.core.spec import FeedForward, Routing
+from engine.kernels.backend import use_triton
 from engine.model.layers.linear import linear
 from engine.model.layers.mlp import SwiGLU
 
@@ -71,8 +74,22 @@ class GroupedExperts(nn.Module):
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
+        """The gate-up and down stacks the grouped GEMM reads, and their INT4 group size (0: float); None where it
+        does not serve these experts."""
+        return None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights and ids [T, top_k] → the weighted sum of each token's experts [T, hidden]."""
+        stacks = self.fused_stacks() if use_triton(x) else None
+        if stacks is not None:
+            from engine.kernels.fused_moe import fused_experts
+
+            return fused_experts(x.contiguous(), weights, ids, self.first_expert, self.num_experts, *stacks)
+        return self.grouped(x, weights, ids)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The loop over the experts the step touches: the reference of the grouped GEMM."""
         top_k = ids.shape[1]
         local = ids.flatten() - self.first_expert
         pairs = ((local >= 0) & (local < self.num_experts)).nonzero().squeeze(1)
@@ -103,6 +120,9 @@ class Experts(GroupedExperts):
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj[index]).split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj[index])
+
+    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
+        return (self.gate_up_proj,), (self.down_proj,), 0
 
 
 class MoE(nn.Module):
