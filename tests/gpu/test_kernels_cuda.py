@@ -144,3 +144,31 @@ def test_paged_decode_attention_splits_long_contexts_cuda(batch, max_pages, spar
 def test_w4a16_split_k_cuda(m, n, k, group_size):
     case = int4_case(m, n, k, group_size, torch.bfloat16, DEVICE, seed=m)
     assert relative_error(w4a16_matmul(*case), reference.w4a16_matmul(*case)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_fused_experts_cuda(tokens, int4):
+    """Kimi-like routing (8 of 64 experts here, hidden 1024, expert width 256) against the loop over experts."""
+    from engine.core.memory import WeightFormat
+    from engine.kernels.fused_moe import fused_experts
+    from engine.model.layers.moe import Experts
+    from engine.model.quant import dequantize_int4
+    from engine.model.quantized_linear import QuantizedExperts
+
+    generator = torch.Generator().manual_seed(tokens)
+    experts = Experts(64, 1024, 256)
+    for parameter in experts.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.05
+    module = experts
+    if int4:
+        module = QuantizedExperts(experts, WeightFormat("int4", 32, symmetric=True))
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(experts, name).data = torch.stack([dequantize_int4(module._linear(e, name).weight_int4)
+                                                       for e in range(64)])
+    experts, module = experts.to(DEVICE, torch.bfloat16), module.to(DEVICE)
+    x = (torch.randn(tokens, 1024, generator=generator) * 0.5).to(DEVICE, torch.bfloat16)
+    ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, 8, generator=generator).to(DEVICE)
+    fused = fused_experts(x, weights, ids, 0, 64, *module.fused_stacks())
+    assert relative_error(fused, experts.grouped(x, weights, ids)) < TOLERANCE[torch.bfloat16]
