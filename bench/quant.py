@@ -113,6 +113,7 @@ def run_kernel_benchmarks() -> dict:
     """CUDA only: kernels against their dense/bf16 counterparts, timed with triton.testing.do_bench."""
     from triton.testing import do_bench
 
+    from engine.kernels.fp8_matmul import w8a16_matmul
     from engine.kernels.int4_matmul import w4a16_matmul
     from engine.kernels.paged_attention import paged_decode_attention
     from engine.model.quant import quantize_int4, unpack_int4
@@ -149,11 +150,31 @@ def run_kernel_benchmarks() -> dict:
             if tiny is not None:
                 row["torch_int4_ms"] = do_bench(lambda: torch._weight_int4pack_mm(x, tiny[0], 128, tiny[1]))
             gemm.append(row)
+    fp8 = []
+    for n, k in ((4096, 4096), (14336, 4096)):
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        weight_scales = dense.float().abs().amax(dim=1) / 448.0
+        values = (dense.float() / weight_scales[:, None]).to(torch.float8_e4m3fn)
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            row = {"n": n, "k": k, "m": m, "bf16_ms": do_bench(lambda: x @ dense.t()),
+                   "w8a16_ms": do_bench(lambda: w8a16_matmul(x, values, weight_scales))}
+            row["w8a16_gb_s"] = _gb_per_s(values.nbytes, row["w8a16_ms"])
+            try:                                     # torch's FP8 GEMM: activations quantized per tensor too
+                x_scale = (x.float().abs().amax() / 448.0).reshape(())
+                x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
+                padded = torch.zeros(max(16, m), k, device=device, dtype=torch.float8_e4m3fn)   # rows: a multiple of 16
+                padded[:m] = x8
+                row["scaled_mm_ms"] = do_bench(lambda: torch._scaled_mm(
+                    padded, values.t(), x_scale.float(), weight_scales[None, :].float(), out_dtype=torch.bfloat16))
+            except (RuntimeError, TypeError) as error:
+                print(f"torch._scaled_mm unavailable: {error}", file=sys.stderr)
+            fp8.append(row)
     attention = []
-    for context in (1024, 8192, 32768):
+    for batch, context in ((8, 1024), (8, 8192), (64, 8192), (1, 512), (8, 32768)):
         rows = {}
         for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
-            batch, heads, kv_heads, dim, page = 8, 32, 8, 128, 16
+            heads, kv_heads, dim, page = 32, 8, 128, 16
             pages = batch * context // page
             keys = torch.randn(pages, page, kv_heads, dim, device=device).to(dtype)
             values = torch.randn(pages, page, kv_heads, dim, device=device).to(dtype)
@@ -163,9 +184,12 @@ def run_kernel_benchmarks() -> dict:
             scales = torch.ones(kv_heads, device=device) if name == "fp8" else None
             ms = do_bench(lambda: paged_decode_attention(q, keys, values, tables, lens, dim ** -0.5, scales, scales))
             rows[name] = {"ms": ms, "gb_s": _gb_per_s(keys.nbytes + values.nbytes, ms)}
-        attention.append({"context": context, **{f"{k}_{m}": v for k, d in rows.items() for m, v in d.items()},
-                          "fp8_speedup": round(rows["bf16"]["ms"] / rows["fp8"]["ms"], 2)})
-    return {"device": torch.cuda.get_device_name(), "copy_gb_s": copy_gb_s, "w4a16": gemm, "paged_attention": attention}
+        attention.append({"batch": batch, "context": context,
+                          **{f"{k}_{m}": v for k, d in rows.items() for m, v in d.items()},
+                          "bf16_of_copy": round(rows["bf16"]["gb_s"] / copy_gb_s, 3),
+                          "fp8_time_of_bf16": round(rows["fp8"]["ms"] / rows["bf16"]["ms"], 3)})
+    return {"device": torch.cuda.get_device_name(), "copy_gb_s": copy_gb_s, "w4a16": gemm, "w8a16": fp8,
+            "paged_attention": attention}
 
 
 def main() -> None:

@@ -187,6 +187,13 @@ def test_w4a16_matmul_splits_k(split_k):
         w4a16_matmul(*case, split_k=6)
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_w8a16_matmul_splits_k(split_k):
+    """One row, K of 3 blocks of 64 with the last one partial (K=170), shared by 1, 2 or 3 programs."""
+    case = fp8_case(1, 48, 170, torch.float32, DEVICE, seed=split_k)
+    assert relative_error(w8a16_matmul(*case, split_k=split_k), reference.w8a16_matmul(*case)) < 1e-5
+
+
 @pytest.mark.parametrize("m, n, k", [(1, 64, 64), (7, 80, 100), (20, 33, 160)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_w8a16_matmul(m, n, k, dtype):

@@ -54,7 +54,7 @@ def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int
     """How many programs share K: enough to reach `TARGET_PROGRAMS` with the tiles of M and N, each still a whole
     number of K blocks."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return max(1, min(TARGET_PROGRAMS // tiles, k // block_k))
+    return max(1, min(TARGET_PROGRAMS // tiles, triton.cdiv(k, block_k)))
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
