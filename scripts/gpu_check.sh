@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for any CUDA machine; sized for about 8 minutes on an H200.
-#   0. bench/gpu_seed_effects.py: the engine's decode step against its floors (CUDA graphs, INT4/FP8 weights,
-#      FP8 KV at twice the batch, integrity off/ownership/full), the figures issues 45 and 46 accept on;
+#   0. bench/gpu_seed_effects.py: the engine's decode step against its floors, its two suites in turn: overheads
+#      (CUDA graphs, SmolLM2, integrity off/ownership/full: issue 45) and seed (INT4/FP8 weights at full depth, FP8
+#      KV at twice the batch, attention against the copy bandwidth, Kimi K2.6, GLM 5.2: issue 46);
 #   1. the CUDA tests (tests/gpu): every Triton kernel against its torch oracle, the engine on CUDA;
 #   2. engine profiles: SmolLM2-135M's shape and a Llama-3.1-8B-shaped model cut to 4 layers (the
 #      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4;
@@ -55,7 +56,8 @@ nvidia-smi -L || true
 
 if wants seed; then
   echo "== seed effects"
-  bounded 240 "$PY" bench/gpu_seed_effects.py --out "$RESULTS/gpu_seed_effects.json"
+  bounded 200 "$PY" bench/gpu_seed_effects.py --suite overheads --out "$RESULTS/gpu_seed_effects_overheads.json"
+  bounded 300 "$PY" bench/gpu_seed_effects.py --suite seed --out "$RESULTS/gpu_seed_effects_seed.json"
 fi
 
 if wants tests; then
