@@ -72,15 +72,17 @@ def test_padding_rows_write_only_the_padding_page(engine, english_prompts):
         assert one >= 0 and len(table_pages) >= 1 and 31 not in table_pages
 
 
-@pytest.mark.parametrize(("model", "has_mtp", "reason"), [
-    ("llama-3.1-8b", False, None), ("smollm2-135m", False, None), ("qwen3-8b", False, None),
-    ("qwen3-30b-a3b", False, "routed experts"), ("deepseek-v3", False, "routed experts"),
-    ("llama-3.1-8b", True, "MTP"),
+@pytest.mark.parametrize(("model", "has_mtp", "experts_fused", "reason"), [
+    ("llama-3.1-8b", False, True, None), ("smollm2-135m", False, True, None), ("qwen3-8b", False, True, None),
+    ("deepseek-v3", False, True, None), ("kimi-k2.6", False, True, None),
+    ("deepseek-v3", False, False, "routed experts"), ("glm-5.2", False, True, "sparse attention"),
+    ("llama-3.1-8b", True, True, "MTP"),
 ])
-def test_which_models_decode_through_graphs(model, has_mtp, reason):
+def test_which_models_decode_through_graphs(model, has_mtp, experts_fused, reason):
     from engine.model.loader import read_model_config, resolve
 
-    refused = graphs_refused(read_model_config(resolve(f"planner/data/model-configs/{model}.json")), has_mtp)
+    config = read_model_config(resolve(f"planner/data/model-configs/{model}.json"))
+    refused = graphs_refused(config, has_mtp, experts_fused)
     assert refused is None if reason is None else reason in refused
 
 

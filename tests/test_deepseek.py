@@ -262,3 +262,18 @@ def test_each_rank_holds_the_planners_bytes_per_gpu_under_expert_parallelism(dee
     for rank in ranks:
         assert rank["weight_bytes_by_component"] == {k: v for k, v in planned.items() if v}
         assert rank["kv_cache_bytes"] == 128 * 8 * per_token
+
+
+def test_padded_static_decodes_of_an_mla_moe_model_give_transformers_tokens(deepseek):
+    """MLA with routed experts through `DecodeGraphs`' static path, uncaptured on CPU (the path CUDA graphs
+    capture): ragged batches padded to 1, 2, 4, 8 on a reserved padding page, tokens as transformers'."""
+    from engine.executor.model_runner import DecodeGraphs, graph_batch_sizes
+
+    folder, _, prompts, expected = deepseek
+    with engine(folder, page_size=8, num_pages=128, max_model_len=256) as llm:
+        worker = llm.core.worker
+        worker.runner.graphs = DecodeGraphs(worker.model, worker.kv_cache, 8, 256, graph_batch_sizes(8), 127,
+                                            capture=False)
+        llm.core.block_manager.quarantine([127])
+        assert greedy(llm, prompts[:7]) == expected[:7]
+        assert worker.runner.graphs.replays >= MAX_TOKENS - 1

@@ -46,14 +46,14 @@ def graph_batch_sizes(max_num_seqs: int, cap: int | None = None) -> list[int]:
     return sizes
 
 
-def graphs_refused(config: ModelSpec, has_mtp: bool) -> str | None:
-    """Why a model's decode steps cannot be captured as graphs (None: they can). Routed experts choose their work
-    on the host (which tokens go to which expert), MLA and sparse attention are not captured yet, MTP drafting
-    reads the hidden states between passes."""
-    if config.ffn.moe_layers:
-        return "routed experts dispatch on the host"
-    if config.attention.kind != "gqa":
-        return f"{config.attention.kind} attention is not captured yet"
+def graphs_refused(config: ModelSpec, has_mtp: bool, experts_fused: bool = True) -> str | None:
+    """Why a model's decode steps cannot be captured as graphs (None: they can). Routed experts the grouped GEMM
+    does not serve (FP8 ones) loop over the experts the step touches, which the host reads back; DSA decides on
+    the host whether a step selects; MTP drafting reads the hidden states between passes."""
+    if config.ffn.moe_layers and not experts_fused:
+        return "routed experts loop on the host (FP8 experts have no grouped GEMM yet)"
+    if config.attention.index_topk:
+        return "sparse attention decides on the host whether a step selects"
     if has_mtp:
         return "MTP drafting reads hidden states between passes"
     return None
@@ -189,7 +189,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Captures every size, largest first (the smaller ones reuse its memory pool); times and sizes them."""
+        """Captures every size, largest first (the smaller ones reuse its memory pool); times and sizes them.
+        RuntimeError if a size cannot be captured (the caller runs eagerly then)."""
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.kv_cache.device)[0] if self.capture else 0
         pool = None

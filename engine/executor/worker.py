@@ -21,6 +21,7 @@ from engine.executor.model_runner import DecodeGraphs, ModelRunner, graph_batch_
 from engine.executor.step_plan import StepPlan, WorkerFault
 from engine.kernels.backend import use_triton
 from engine.model.kv_cache import PagedKVCache
+from engine.model.layers.moe import GroupedExperts
 from engine.model.loader import load_model
 from engine.model.quantized_linear import allocated_bytes_by_component
 from engine.parallel.group import TensorGroup
@@ -64,7 +65,9 @@ class Worker:
             return "tensor-parallel ranks run eagerly (collectives are not captured yet)"
         if config.speculative is not None:
             return "speculative steps verify drafts: they are not decode-only"
-        return graphs_refused(self.model_config, getattr(self.model, "mtp", None) is not None)
+        experts = [module for module in self.model.modules() if isinstance(module, GroupedExperts)]
+        return graphs_refused(self.model_config, getattr(self.model, "mtp", None) is not None,
+                              all(module.fused_stacks() is not None for module in experts))
 
     def needs_pad_page(self) -> bool:
         """Whether the pool keeps a page no request gets: graph replays pad their batches there, and the device
@@ -90,7 +93,13 @@ class Worker:
             sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_graph_batch)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, page_size, self.max_model_len, sizes, pad_page,
                                        capture=True)
-            self.graphs.capture_all()
+            try:
+                self.graphs.capture_all()
+            except RuntimeError as error:       # a model whose step reads the device on the host: eager then
+                log.warning("decode graphs could not be captured, decode steps run eagerly: %s",
+                            str(error).splitlines()[0])
+                self.graphs = None
+                torch.cuda.synchronize(self.device)
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", refused or "the pool has one page")
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, self.graphs, pad_page)
