@@ -29,7 +29,8 @@ def align_pairs(ids: torch.Tensor, first_expert: int, num_experts: int,
     pairs = ids.numel()
     local = ids.flatten().long() - first_expert
     key = torch.where((local >= 0) & (local < num_experts), local, num_experts)       # elsewhere: bucket E
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, key, torch.ones_like(key))               # not bincount: on CUDA it reads the largest key back first
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded                   # each expert's first padded row
     run_starts = torch.cumsum(counts, 0) - counts               # each expert's first row in the sorted order
