@@ -3,6 +3,8 @@
 #   0. bench/gpu_seed_effects.py: the engine's decode step against its floors, its two suites in turn: overheads
 #      (CUDA graphs, SmolLM2, integrity off/ownership/full: issue 45) and seed (INT4/FP8 weights at full depth, FP8
 #      KV at twice the batch, attention against the copy bandwidth, Kimi K2.6, GLM 5.2: issue 46);
+#   0b. loop: Llama-3.1-8B at full depth profiled and the planner calibrated on it, set against the catalogue's
+#      public Llama-3.1-8B points (bench/engine_calibrated_planner.py);
 #   1. the CUDA tests (tests/gpu): every Triton kernel against its torch oracle, the engine on CUDA;
 #   2. engine profiles: SmolLM2-135M's shape and a Llama-3.1-8B-shaped model cut to 4 layers (the
 #      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4;
@@ -13,7 +15,7 @@
 #   4. GLM 5.2 at full width (6144 hidden, 256 experts, sparse attention with index_topk 2048) cut to 6 layers
 #      (INT4) and 4 (FP8), at contexts below and above index_topk (22 INT4 layers were still being built after
 #      200 s on the first H200 run: random weights are quantized layer by layer).
-# PARTS selects what runs, in this order (default "seed tests profiles bench glm"). DEADLINE_S (seconds, 0: none)
+# PARTS selects what runs, in this order (default "seed loop tests profiles bench glm"). DEADLINE_S (seconds, 0: none)
 # bounds the whole run for a tool that caps one command: each part's timeout is cut to the time left, and a part
 # that would get under 20 s is skipped and counted as a failure.
 # Results go to bench/results/ and planner/profiles/; where $OUT is set (the lent-GPU tool, which returns at most
@@ -32,7 +34,7 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 status=0
-PARTS=${PARTS:-seed tests profiles bench glm}
+PARTS=${PARTS:-seed loop tests profiles bench glm}
 DEADLINE_S=${DEADLINE_S:-0}
 STARTED=$(date +%s)
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -58,6 +60,15 @@ if wants seed; then
   echo "== seed effects"
   bounded 200 "$PY" bench/gpu_seed_effects.py --suite overheads --out "$RESULTS/gpu_seed_effects_overheads.json"
   bounded 300 "$PY" bench/gpu_seed_effects.py --suite seed --out "$RESULTS/gpu_seed_effects_seed.json"
+fi
+
+if wants loop; then
+  echo "== closing the loop: Llama-3.1-8B at full depth profiled, the planner calibrated on it against the public points"
+  bounded 200 "$PY" -m engine.cli profile --model planner/data/model-configs/llama-3.1-8b.json --weights bf16 \
+    --kv-dtype bf16 --device cuda --prefill-tokens 16 256 1024 4096 --batches 1 8 64 256 --contexts 128 1024 8192 \
+    --repeats 3 --out "$PROFILES/cuda-llama-3.1-8b-bf16-kvbf16.profile.json" --json
+  bounded 60 "$PY" bench/engine_calibrated_planner.py --profile "$PROFILES/cuda-llama-3.1-8b-bf16-kvbf16.profile.json" \
+    --out "$RESULTS/engine_calibrated_planner.json"
 fi
 
 if wants tests; then
