@@ -252,18 +252,19 @@ def test_align_pairs_sorts_each_local_pair_once_into_blocks_of_its_expert(tokens
         assert (expert >= 0) == bool(rows) and all(local[p] == expert for p in rows)
 
 
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("weights_format", ["float", "int4", "fp8", "fp8-block"])
 @pytest.mark.parametrize(("tokens", "first_expert"), [(1, 0), (11, 0), (6, 2)])
-def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, int4):
-    """One grouped GEMM per projection against the per-expert loop: float experts, INT4 ones (group 32, the loop
-    over their dequantized weights), a rank holding experts 2..5 of 8 (the others' pairs contribute nothing)."""
+def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, weights_format):
+    """One grouped GEMM per projection against the per-expert loop: float experts, INT4 ones (group 32) and FP8 ones
+    (scales per channel, or per 32 x 32 block) against the loop over their dequantized weights, and a rank holding
+    experts 2..5 of 8 (the others' pairs contribute nothing)."""
     from engine.core.memory import WeightFormat
     from engine.model.layers.moe import Experts
-    from engine.model.quant import dequantize_int4
+    from engine.model.quant import Fp8Weight, dequantize_fp8_weight, dequantize_int4
     from engine.model.quantized_linear import QuantizedExperts
 
-    generator = torch.Generator().manual_seed(tokens + 10 * int4)
-    experts = Experts(4 if first_expert else 8, 64, 96 if int4 else 40)      # float: K=40 ends in a partial block
+    generator = torch.Generator().manual_seed(tokens + len(weights_format))
+    experts = Experts(4 if first_expert else 8, 64, 40 if weights_format == "float" else 96)    # K=40: a partial block
     experts.first_expert = first_expert
     for parameter in experts.parameters():
         parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
@@ -271,10 +272,17 @@ def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, int4):
     ids = torch.stack([torch.randperm(8, generator=generator)[:3] for _ in range(tokens)])
     weights = torch.rand(tokens, 3, generator=generator)
     module = experts
-    if int4:
-        module = QuantizedExperts(experts, WeightFormat("int4", 32))
-        for name in ("gate_up_proj", "down_proj"):          # the loop's weights: the INT4 ones, dequantized
-            stacked = [dequantize_int4(module._linear(e, name).weight_int4) for e in range(experts.num_experts)]
+    if weights_format != "float":
+        fmt = WeightFormat("int4", 32) if weights_format == "int4" else WeightFormat(
+            "fp8", block_size=32 if weights_format == "fp8-block" else None)
+        module = QuantizedExperts(experts, fmt)
+        for name in ("gate_up_proj", "down_proj"):          # the loop's weights: the quantized ones, dequantized
+            if weights_format == "int4":
+                stacked = [dequantize_int4(module._linear(e, name).weight_int4) for e in range(experts.num_experts)]
+            else:
+                stacked = [dequantize_fp8_weight(Fp8Weight(getattr(module, f"{name}_values")[e],
+                                                           getattr(module, f"{name}_scales")[e], fmt.block_size))
+                           for e in range(experts.num_experts)]
             getattr(experts, name).data = torch.stack(stacked)
     fused = fused_experts(x, weights, ids, first_expert, experts.num_experts, *module.fused_stacks())
     expected = experts.grouped(x, weights, ids)

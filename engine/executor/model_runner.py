@@ -51,7 +51,7 @@ def graphs_refused(config: ModelSpec, has_mtp: bool, experts_fused: bool = True)
     does not serve (FP8 ones) loop over the experts the step touches, which the host reads back; DSA decides on
     the host whether a step selects; MTP drafting reads the hidden states between passes."""
     if config.ffn.moe_layers and not experts_fused:
-        return "routed experts loop on the host (FP8 experts have no grouped GEMM yet)"
+        return "routed experts loop over the experts on the host"
     if config.attention.index_topk:
         return "sparse attention decides on the host whether a step selects"
     if has_mtp:

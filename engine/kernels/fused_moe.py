@@ -3,8 +3,9 @@
 A step's (token, slot) pairs are sorted by expert on the device and each expert's run padded to a multiple of
 BLOCK_M (`align_pairs`, no host read: the grid is sized for the worst case and blocks past the used ones exit).
 One program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows: it reads the block's expert, gathers its rows
-of A (a token's hidden state, or a pair's own row for the down projection) and streams that expert's weights, float
-or INT4 (dequantized group-wise in registers), into tl.dot. Rows of pairs routed elsewhere (expert parallelism)
+of A (a token's hidden state, or a pair's own row for the down projection) and streams that expert's weights, float,
+INT4 (dequantized group-wise in registers) or FP8 (scaled per channel, or per 128 x 128 block as DeepSeek ships
+them), into tl.dot. Rows of pairs routed elsewhere (expert parallelism)
 stay zero. Gate-up, activation, down, then each token's weighted sum: `fused_experts`.
 """
 from __future__ import annotations
@@ -14,12 +15,11 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor
+from engine.kernels.expert_weights import FP8_BLOCK, INT4, ExpertWeights
 
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 32
-
-
 def align_pairs(ids: torch.Tensor, first_expert: int, num_experts: int,
                 block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, top_k] → (the pair indices t·top_k + slot sorted by expert, each expert's run padded with -1 to a
@@ -51,7 +51,7 @@ def align_pairs(ids: torch.Tensor, first_expert: int, num_experts: int,
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, scales_ptr, minimums_ptr, c_ptr, pairs_ptr, experts_ptr, N, K, top_k,
                          stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_cm,
-                         PER_PAIR: tl.constexpr, INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                         PER_PAIR: tl.constexpr, KIND: tl.constexpr, GROUP_SIZE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,7 +71,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, scales_ptr, minimums_ptr, c_ptr, pairs_pt
             a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             weight_mask = col_ok[:, None] & k_ok[None, :]
-            if INT4:
+            if KIND == 1:           # INT4
                 packed = tl.load(b_ptr + expert * stride_be + cols[:, None] * stride_bn + k[None, :] // 2,
                                  mask=weight_mask, other=0)
                 q = (packed >> ((k[None, :] % 2) * 4).to(tl.uint8)) & 0x0F
@@ -81,56 +81,65 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, scales_ptr, minimums_ptr, c_ptr, pairs_pt
                 minimum = tl.load(minimums_ptr + expert * stride_se + cols * stride_sn + group, mask=col_ok,
                                   other=0.0).to(tl.float32)
                 b = q.to(tl.float32) * scale[:, None] + minimum[:, None]
-            else:
+            elif KIND == 3:         # FP8, a scale per GROUP_SIZE x GROUP_SIZE block
+                b = tl.load(b_ptr + expert * stride_be + cols[:, None] * stride_bn + k[None, :], mask=weight_mask,
+                            other=0.0).to(tl.float32)
+                scale = tl.load(scales_ptr + expert * stride_se + (cols // GROUP_SIZE) * stride_sn + k0 // GROUP_SIZE,
+                                mask=col_ok, other=0.0).to(tl.float32)
+                b = b * scale[:, None]
+            else:                   # float, or FP8 with its channel scale applied once at the end
                 b = tl.load(b_ptr + expert * stride_be + cols[:, None] * stride_bn + k[None, :], mask=weight_mask,
                             other=0.0).to(tl.float32)
             acc += tl.dot(a, tl.trans(b.to(a.dtype)))
+        if KIND == 2:
+            acc *= tl.load(scales_ptr + expert * stride_se + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + pairs[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def grouped_gemm(a: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
-                 num_pairs: int, top_k: int, per_pair: bool, scales: torch.Tensor | None = None,
-                 minimums: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+def grouped_gemm(a: torch.Tensor, stack: ExpertWeights, sorted_pairs: torch.Tensor, block_experts: torch.Tensor,
+                 num_pairs: int, top_k: int, per_pair: bool) -> torch.Tensor:
     """C [num_pairs, N]: row p = A[p if per_pair else p // top_k] @ W[expert of p]ᵀ, for the pairs `align_pairs`
-    sorted (others zero). W: float [experts, N, K], or INT4 packed [experts, N, K / 2] with `scales` and `minimums`
-    [experts, N, K / group_size]."""
+    sorted (others zero)."""
     device = a.device
     check_tensor("a", a, 2, (torch.float32, torch.float16, torch.bfloat16), device)
-    int4 = scales is not None
+    weights, scales, kind = stack.weights, stack.scales, stack.kind
     check(a.stride(1) == 1 and weights.stride(2) == 1, "a and the weights must be row-major")
     n, k = weights.shape[1], a.shape[1]
-    if int4:
-        check(weights.dtype == torch.uint8 and weights.shape[2] * 2 == k, f"packed weights cover K={weights.shape[2] * 2}, "
-                                                                         f"a has K={k}")
-        check(group_size % BLOCK_K == 0 and k % group_size == 0, f"group size {group_size} must divide K={k} and be a "
-                                                                f"multiple of {BLOCK_K}")
-        check(minimums is not None and scales.stride() == minimums.stride(), "scales and minimums must share strides")
+    group = BLOCK_K
+    if kind == INT4:
+        group = stack.group_size
+        check(weights.shape[2] * 2 == k, f"packed weights cover K={weights.shape[2] * 2}, a has K={k}")
+        check(group % BLOCK_K == 0 and k % group == 0, f"group size {group} must divide K={k} and be a multiple of "
+                                                       f"{BLOCK_K}")
+        check(stack.minimums is not None and scales.stride() == stack.minimums.stride(),
+              "scales and minimums must share strides")
     else:
         check(weights.shape[2] == k, f"weights have K={weights.shape[2]}, a has K={k}")
+    if kind == FP8_BLOCK:
+        group = stack.block_size
+        check(group % BLOCK_K == 0, f"FP8 block {group} must be a multiple of {BLOCK_K}")
     out = torch.zeros(num_pairs, n, dtype=a.dtype, device=device)
     grid = (block_experts.shape[0], triton.cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, weights, scales if int4 else weights, minimums if int4 else weights, out, sorted_pairs, block_experts,
-        n, k, top_k, a.stride(0), weights.stride(0), weights.stride(1),
-        scales.stride(0) if int4 else 0, scales.stride(1) if int4 else 0, out.stride(0),
-        PER_PAIR=per_pair, INT4=int4, GROUP_SIZE=group_size if int4 else BLOCK_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        a, weights, weights if scales is None else scales, stack.minimums if kind == INT4 else weights, out,
+        sorted_pairs, block_experts, n, k, top_k, a.stride(0), weights.stride(0), weights.stride(1),
+        0 if scales is None else scales.stride(0), 0 if scales is None or scales.dim() < 2 else scales.stride(1),
+        out.stride(0), PER_PAIR=per_pair, KIND=kind, GROUP_SIZE=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K)
     return out
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first_expert: int, num_experts: int,
-                  gate_up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...], group_size: int = 0) -> torch.Tensor:
+                  gate_up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
     """The weighted sum of each token's routed experts [T, hidden] (SwiGLU: gate and up fused), as
-    `engine.model.layers.moe.GroupedExperts.forward`: `gate_up` and `down` are a float stack, or INT4 (packed,
-    scales, minimums) stacks."""
+    `engine.model.layers.moe.GroupedExperts.forward`."""
     tokens, top_k = ids.shape
     sorted_pairs, block_experts = align_pairs(ids, first_expert, num_experts)
     pairs = tokens * top_k
 
-    def gemm(a: torch.Tensor, stack: tuple[torch.Tensor, ...], per_pair: bool) -> torch.Tensor:
-        return grouped_gemm(a, stack[0], sorted_pairs, block_experts, pairs, top_k, per_pair, *stack[1:],
-                            group_size=group_size)
+    def gemm(a: torch.Tensor, stack: ExpertWeights, per_pair: bool) -> torch.Tensor:
+        return grouped_gemm(a, stack, sorted_pairs, block_experts, pairs, top_k, per_pair)
 
     gate, up = gemm(x, gate_up, per_pair=False).chunk(2, dim=-1)
     out = gemm(torch.nn.functional.silu(gate) * up, down, per_pair=True)

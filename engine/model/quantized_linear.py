@@ -12,6 +12,7 @@ from torch import nn
 from engine.core.memory import WeightFormat
 from engine.core.spec import DECODER_COMPONENTS
 from engine.kernels.backend import use_triton
+from engine.kernels.expert_weights import ExpertWeights
 from engine.model.layers.linear import linear
 from engine.model.layers.moe import Experts, GroupedExperts
 from engine.model.quant import (
@@ -171,17 +172,16 @@ class QuantizedExperts(GroupedExperts):
         gate, up = self._linear(index, "gate_up_proj")(x).split(self.intermediate_size, dim=-1)
         return self._linear(index, "down_proj")(F.silu(gate) * up)
 
-    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
-        """INT4 stacks (packed, scales, minimums: a symmetric grid's minimums made from its scales); FP8 experts
-        keep the loop."""
-        if self.fmt.dtype != "int4" or self.fmt.group_size % 32:
-            return None
-
-        def stack(name: str) -> tuple[torch.Tensor, ...]:
-            scales, minimums = getattr(self, f"{name}_scales"), getattr(self, f"{name}_minimums")
-            return (getattr(self, f"{name}_packed"), scales,
-                    -SYMMETRIC_OFFSET * scales if minimums is None else minimums)
-        return stack("gate_up_proj"), stack("down_proj"), self.fmt.group_size
+    def fused_stacks(self) -> tuple[ExpertWeights, ExpertWeights] | None:
+        """INT4 stacks (a symmetric grid's minimums made from its scales) or FP8 ones (channel or block scales)."""
+        def stack(name: str) -> ExpertWeights:
+            scales = getattr(self, f"{name}_scales")
+            if self.fmt.dtype == "fp8":
+                return ExpertWeights(getattr(self, f"{name}_values"), scales, block_size=self.fmt.block_size or 0)
+            minimums = getattr(self, f"{name}_minimums")
+            return ExpertWeights(getattr(self, f"{name}_packed"), scales,
+                                 -SYMMETRIC_OFFSET * scales if minimums is None else minimums, self.fmt.group_size)
+        return stack("gate_up_proj"), stack("down_proj")
 
 
 def quantize_linear_weight(weight: torch.Tensor, fmt: WeightFormat, search: bool = False) -> Int4Weight | Fp8Weight:

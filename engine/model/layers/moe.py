@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.core.spec import FeedForward, Routing
 from engine.kernels.backend import use_triton
+from engine.kernels.expert_weights import ExpertWeights
 from engine.model.layers.linear import linear
 from engine.model.layers.mlp import SwiGLU
 
@@ -74,9 +75,8 @@ class GroupedExperts(nn.Module):
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
-        """The gate-up and down stacks the grouped GEMM reads, and their INT4 group size (0: float); None where it
-        does not serve these experts."""
+    def fused_stacks(self) -> tuple[ExpertWeights, ExpertWeights] | None:
+        """The gate-up and down stacks the grouped GEMM reads; None where it does not serve these experts."""
         return None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -121,8 +121,8 @@ class Experts(GroupedExperts):
         gate, up = linear(x, self.gate_up_proj[index]).split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj[index])
 
-    def fused_stacks(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], int] | None:
-        return (self.gate_up_proj,), (self.down_proj,), 0
+    def fused_stacks(self) -> tuple[ExpertWeights, ExpertWeights] | None:
+        return ExpertWeights(self.gate_up_proj), ExpertWeights(self.down_proj)
 
 
 class MoE(nn.Module):
