@@ -5,6 +5,8 @@
 #      KV at twice the batch, attention against the copy bandwidth, Kimi K2.6, GLM 5.2: issue 46);
 #   0b. loop: Llama-3.1-8B at full depth profiled and the planner calibrated on it, set against the catalogue's
 #      public Llama-3.1-8B points (bench/engine_calibrated_planner.py);
+#   1b. tune: bench/autotune_kernels.py writes the kernels' launch configurations for this GPU
+#      (engine/kernels/tuned/<gpu>.json; staged with the results where $OUT is set): commit it;
 #   1. the CUDA tests (tests/gpu): every Triton kernel against its torch oracle, the engine on CUDA;
 #   2. engine profiles: SmolLM2-135M's shape and a Llama-3.1-8B-shaped model cut to 4 layers (the
 #      calibration's efficiencies scale it to the full model), random weights, BF16 and FP8 KV, INT4;
@@ -15,7 +17,7 @@
 #   4. GLM 5.2 at full width (6144 hidden, 256 experts, sparse attention with index_topk 2048) cut to 6 layers
 #      (INT4) and 4 (FP8), at contexts below and above index_topk (22 INT4 layers were still being built after
 #      200 s on the first H200 run: random weights are quantized layer by layer).
-# PARTS selects what runs, in this order (default "seed loop tests profiles bench glm"). DEADLINE_S (seconds, 0: none)
+# PARTS selects what runs, in this order (default "seed loop tests tune profiles bench glm"). DEADLINE_S (seconds, 0: none)
 # bounds the whole run for a tool that caps one command: each part's timeout is cut to the time left, and a part
 # that would get under 20 s is skipped and counted as a failure.
 # Results go to bench/results/ and planner/profiles/; where $OUT is set (the lent-GPU tool, which returns at most
@@ -34,7 +36,7 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 status=0
-PARTS=${PARTS:-seed loop tests profiles bench glm}
+PARTS=${PARTS:-seed loop tests tune profiles bench glm}
 DEADLINE_S=${DEADLINE_S:-0}
 STARTED=$(date +%s)
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -75,6 +77,13 @@ if wants tests; then
   echo "== CUDA tests"
   xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)   # Triton compiles in parallel
   bounded 180 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" --junit-xml "$RESULTS/gpu_tests.xml" tests/gpu
+fi
+
+if wants tune; then
+  echo "== kernel autotuning"
+  TUNED_DIR=engine/kernels/tuned
+  if [ -n "${OUT:-}" ]; then TUNED_DIR=$STAGE/engine/kernels/tuned; fi
+  bounded 240 "$PY" bench/autotune_kernels.py --tuned-dir "$TUNED_DIR" --report "$RESULTS/autotune_kernels.json"
 fi
 
 if wants profiles; then

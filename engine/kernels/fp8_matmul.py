@@ -12,6 +12,7 @@ import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor
 from engine.kernels.int4_matmul import ACTIVATION_DTYPES, split_k_for
+from engine.kernels.tuning import launch_config, rows_bucket
 
 
 @triton.jit
@@ -39,10 +40,9 @@ def _w8a16_kernel(x_ptr, w_ptr, scales_ptr, out_ptr, M, N, K, k_per_split, strid
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, block_m: int = 16,
-                 block_n: int = 64, block_k: int = 64, split_k: int | None = None) -> torch.Tensor:
-    """Same contract as `engine.kernels.reference.w8a16_matmul`. `split_k`: programs sharing K (default
-    `split_k_for`)."""
+def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, split_k: int | None = None) -> torch.Tensor:
+    """Same contract as `engine.kernels.reference.w8a16_matmul`. Tiles and warps from `engine.kernels.tuning`;
+    `split_k`: programs sharing K (default `split_k_for`)."""
     device = x.device
     check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
     check_tensor("values", values, 2, (torch.float8_e4m3fn,), device)
@@ -51,13 +51,17 @@ def w8a16_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bl
     n = values.shape[0]
     check(values.shape[1] == k, f"weight has K={values.shape[1]}, x has K={k}")
     check(scales.shape[0] == n, f"{scales.shape[0]} scales for {n} output channels")
+    config = launch_config("w8a16", rows_bucket(m), device)
+    block_m, block_n, block_k = config["block_m"], config["block_n"], config["block_k"]
     blocks = triton.cdiv(k, block_k)
-    split_k = split_k_for(m, n, k, block_m, block_n, block_k) if split_k is None else split_k
+    if split_k is None:
+        split_k = split_k_for(m, n, k, block_m, block_n, block_k, config["target_programs"])
     check(isinstance(split_k, int) and 1 <= split_k <= blocks, f"split_k must be in 1..{blocks}, got {split_k!r}")
     k_per_split = triton.cdiv(blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty((split_k, m, n), dtype=x.dtype if split_k == 1 else torch.float32, device=device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _w8a16_kernel[grid](x, values, scales, out, m, n, k, k_per_split, x.stride(0), values.stride(0), out.stride(1),
-                        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out[0] if split_k == 1 else out.sum(dim=0).to(x.dtype)

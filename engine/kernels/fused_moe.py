@@ -16,9 +16,9 @@ import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor
 from engine.kernels.expert_weights import FP8_BLOCK, INT4, ExpertWeights
+from engine.kernels.tuning import launch_config
 
 BLOCK_M = 16
-BLOCK_N = 64
 BLOCK_K = 32
 def align_pairs(ids: torch.Tensor, first_expert: int, num_experts: int,
                 block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,13 +120,15 @@ def grouped_gemm(a: torch.Tensor, stack: ExpertWeights, sorted_pairs: torch.Tens
         group = stack.block_size
         check(group % BLOCK_K == 0, f"FP8 block {group} must be a multiple of {BLOCK_K}")
     out = torch.zeros(num_pairs, n, dtype=a.dtype, device=device)
-    grid = (block_experts.shape[0], triton.cdiv(n, BLOCK_N))
+    config = launch_config("grouped_gemm", "int4" if kind == INT4 else "fp8" if weights.element_size() == 1 else
+                           "float", device)
+    grid = (block_experts.shape[0], triton.cdiv(n, config["block_n"]))
     _grouped_gemm_kernel[grid](
         a, weights, weights if scales is None else scales, stack.minimums if kind == INT4 else weights, out,
         sorted_pairs, block_experts, n, k, top_k, a.stride(0), weights.stride(0), weights.stride(1),
         0 if scales is None else scales.stride(0), 0 if scales is None or scales.dim() < 2 else scales.stride(1),
-        out.stride(0), PER_PAIR=per_pair, KIND=kind, GROUP_SIZE=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K)
+        out.stride(0), PER_PAIR=per_pair, KIND=kind, GROUP_SIZE=group, BLOCK_M=BLOCK_M, BLOCK_N=config["block_n"],
+        BLOCK_K=BLOCK_K, num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
 

@@ -13,12 +13,10 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor
+from engine.kernels.tuning import launch_config, rows_bucket
 
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-TARGET_PROGRAMS = 512           # split-K aims at about this many programs (several per SM of a large GPU)
 
 
 @triton.jit
@@ -50,17 +48,19 @@ def _w4a16_kernel(x_ptr, packed_ptr, scales_ptr, minimums_ptr, out_ptr, M, N, K,
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int) -> int:
-    """How many programs share K: enough to reach `TARGET_PROGRAMS` with the tiles of M and N, each still a whole
+def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, target_programs: int) -> int:
+    """How many programs share K: enough to reach `target_programs` with the tiles of M and N, each still a whole
     number of K blocks."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return max(1, min(TARGET_PROGRAMS // tiles, triton.cdiv(k, block_k)))
+    return max(1, min(target_programs // tiles, triton.cdiv(k, block_k)))
 
 
 def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
-                 group_size: int, block_m: int = 16, block_n: int = 64, split_k: int | None = None) -> torch.Tensor:
-    """Same contract as `engine.kernels.reference.w4a16_matmul`. K must be a multiple of the group size.
-    `split_k`: programs sharing K (default `split_k_for`; their fp32 partials are summed)."""
+                 group_size: int, block_m: int | None = None, block_n: int | None = None,
+                 split_k: int | None = None) -> torch.Tensor:
+    """Same contract as `engine.kernels.reference.w4a16_matmul`. K must be a multiple of the group size. Tiles,
+    warps and the programs split-K aims at come from `engine.kernels.tuning` unless given; `split_k`: programs
+    sharing K (default `split_k_for`; their fp32 partials are summed)."""
     device = x.device
     check_tensor("x", x, 2, ACTIVATION_DTYPES, device)
     check_tensor("packed", packed, 2, (torch.uint8,), device)
@@ -73,9 +73,12 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
     check(tuple(scales.shape) == (n, k // group_size) == tuple(minimums.shape),
           f"scales/minimums must be {(n, k // group_size)}, got {tuple(scales.shape)}, {tuple(minimums.shape)}")
     check(scales.stride() == minimums.stride(), "scales and minimums must share strides")
+    config = launch_config("w4a16", rows_bucket(m), device)
+    block_m, block_n = block_m or config["block_m"], block_n or config["block_n"]
     block_k = min(group_size, 64)
     blocks = k // block_k
-    split_k = split_k_for(m, n, k, block_m, block_n, block_k) if split_k is None else split_k
+    if split_k is None:
+        split_k = split_k_for(m, n, k, block_m, block_n, block_k, config["target_programs"])
     check(isinstance(split_k, int) and 1 <= split_k <= blocks, f"split_k must be in 1..{blocks}, got {split_k!r}")
     k_per_split = triton.cdiv(blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)           # the splits that have K left
@@ -83,5 +86,6 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _w4a16_kernel[grid](x, packed, scales, minimums, out, m, n, k, k_per_split, x.stride(0), packed.stride(0),
                         scales.stride(0), out.stride(1), out.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k)
+                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
+                        num_stages=config["num_stages"])
     return out[0] if split_k == 1 else out.sum(dim=0).to(x.dtype)

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor, next_power_of_2
 from engine.kernels.split_context import merge_splits, split_pages_for
+from engine.kernels.tuning import launch_config
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -112,7 +113,8 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
         return out
     group = num_heads // num_kv_heads
     table_pages = max(block_tables.shape[1], 1)
-    split_pages = split_pages_for(batch, num_kv_heads, table_pages)
+    config = launch_config("paged_decode", "fp8" if fp8 else "float", device)
+    split_pages = split_pages_for(batch, num_kv_heads, table_pages, config["target_programs"])
     splits = -(-table_pages // split_pages)
     constants = dict(HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), PAGE_SIZE=page_size)
     if splits > 1:
@@ -128,7 +130,8 @@ def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages
         k_scales if fp8 else dummy, v_scales if fp8 else dummy, scale, split_pages,
         q.stride(0), q.stride(1), key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads * splits, splits,
-        GROUP=group, BLOCK_G=next_power_of_2(group), FP8=fp8, SPLIT=splits > 1, **constants)
+        GROUP=group, BLOCK_G=next_power_of_2(group), FP8=fp8, SPLIT=splits > 1, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], **constants)
     if splits > 1:
         merge_splits(part_acc, part_max, part_sum, context_lens, out, split_pages, page_size)
     return out
