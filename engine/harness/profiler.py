@@ -212,6 +212,7 @@ class Profiler:
 
     def _timed_step(self) -> tuple[float, SchedulerOutput]:
         stats = self.llm.core.model.group.stats
+        stats.timed = True          # each collective's time measured (on a GPU: waited for) while profiling
         seconds, moved = stats.seconds, stats.bytes
         elapsed = self._seconds(self.llm.step)
         self._step_collectives.append((stats.seconds - seconds, stats.bytes - moved))

@@ -32,11 +32,14 @@ COLLECTIVE_TIMEOUT_S = 120          # a collective a peer never joins ends in an
 
 @dataclass
 class CollectiveStats:
-    """What this rank's collectives took so far: the profiler reads the change over a step."""
+    """What this rank's collectives took so far: the profiler reads the change over a step. On a GPU a collective
+    only queues work, so its time is known only by waiting for the device after it: `timed` (the profiler sets it)
+    pays that wait; serving does not (and a CUDA graph cannot be captured around a wait)."""
 
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    timed: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class TensorGroup:
     def _timed(self, x: torch.Tensor, collective: Callable[[], Any]) -> None:
         start = time.perf_counter()
         collective()
-        if x.is_cuda:
+        if x.is_cuda and self.stats.timed:
             torch.cuda.synchronize(x.device)
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
