@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor, next_power_of_2
-from engine.kernels.split_context import merge_splits, split_pages_for
+from engine.kernels.split_context import merge_splits, split_pages_for, store_result
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAGE_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
@@ -75,15 +75,8 @@ def _mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, lens_ptr, out_ptr, part_max
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
         running_max = new_max
-    out_mask = h_ok[:, None] & r_ok[None, :]
-    if SPLIT:                           # the partial: maximum, sum and unnormalized latent sum, per head
-        part = seq * stride_pb + heads * stride_ph + split
-        tl.store(part_max_ptr + part, running_max, mask=h_ok)
-        tl.store(part_sum_ptr + part, running_sum, mask=h_ok)
-        tl.store(out_ptr + part[:, None] * LATENT + r[None, :], acc, mask=out_mask)
-    else:
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :],
-                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    store_result(out_ptr, part_max_ptr, part_sum_ptr, seq, heads, h_ok, split, r, r_ok, running_max, running_sum, acc,
+                 stride_pb, stride_ph, stride_ob, stride_oh, LATENT, SPLIT)
 
 
 def check_mla_call(q: torch.Tensor, latent_pages: torch.Tensor, latent_dim: int, scales: torch.Tensor | None,

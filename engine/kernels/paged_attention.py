@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check, check_tensor, next_power_of_2
-from engine.kernels.split_context import merge_splits, split_pages_for
+from engine.kernels.split_context import merge_splits, split_pages_for, store_result
 from engine.kernels.tuning import launch_config
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,15 +68,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, par
             values = tl.load(v_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * v_scale
             acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
             running_max = new_max
-        out_mask = g_ok[:, None] & d_ok[None, :]
-        if SPLIT:                       # the partial: its maximum, sum and unnormalized values, per query head
-            part = seq * stride_pb + heads * stride_ph + split
-            tl.store(part_max_ptr + part, running_max, mask=g_ok)
-            tl.store(part_sum_ptr + part, running_sum, mask=g_ok)
-            tl.store(out_ptr + (part[:, None] * HEAD_DIM) + d[None, :], acc, mask=out_mask)
-        else:
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        store_result(out_ptr, part_max_ptr, part_sum_ptr, seq, heads, g_ok, split, d, d_ok, running_max, running_sum,
+                     acc, stride_pb, stride_ph, stride_ob, stride_oh, HEAD_DIM, SPLIT)
 
 
 def paged_decode_attention(q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,

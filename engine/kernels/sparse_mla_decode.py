@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.kernels._checks import check_tensor, next_power_of_2
 from engine.kernels.mla_decode import BLOCK_HEADS, MIN_DOT, TARGET_PROGRAMS, check_mla_call
-from engine.kernels.split_context import merge_splits
+from engine.kernels.split_context import merge_splits, store_result
 
 BLOCK_SELECTED = 16
 
@@ -70,15 +70,9 @@ def _sparse_mla_decode_kernel(q_ptr, pages_ptr, tables_ptr, positions_ptr, out_p
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         acc = acc * correction[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=PRECISION)
         running_max = new_max
-    out_mask = h_ok[:, None] & r_ok[None, :]
-    if SPLIT:                           # the partial (a split of pads only: maximum -inf, sum 0)
-        part = seq * stride_xb + heads * stride_xh + split
-        tl.store(part_max_ptr + part, running_max, mask=h_ok)
-        tl.store(part_sum_ptr + part, running_sum, mask=h_ok)
-        tl.store(out_ptr + part[:, None] * LATENT + r[None, :], acc, mask=out_mask)
-    else:
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + r[None, :],
-                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    # a split of pads only leaves a partial of maximum -inf and sum 0, which the merge weighs as nothing
+    store_result(out_ptr, part_max_ptr, part_sum_ptr, seq, heads, h_ok, split, r, r_ok, running_max, running_sum, acc,
+                 stride_xb, stride_xh, stride_ob, stride_oh, LATENT, SPLIT)
 
 
 def sparse_mla_decode(q: torch.Tensor, latent_pages: torch.Tensor, block_tables: torch.Tensor,

@@ -16,6 +16,24 @@ BLOCK_SPLITS = 16               # splits the merge reads at a time
 
 
 @triton.jit
+def store_result(out_ptr, part_max_ptr, part_sum_ptr, seq, heads, heads_ok, split, cols, cols_ok, running_max,
+                 running_sum, acc, stride_pb, stride_ph, stride_ob, stride_oh, WIDTH: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """A decode program's online-softmax result for its heads: with SPLIT the partial the merge reads (maximum, sum
+    and unnormalized values per head; `out_ptr` the fp32 partials [batch, heads, splits, WIDTH]), else the
+    normalized output rows."""
+    mask = heads_ok[:, None] & cols_ok[None, :]
+    if SPLIT:
+        part = seq * stride_pb + heads * stride_ph + split
+        tl.store(part_max_ptr + part, running_max, mask=heads_ok)
+        tl.store(part_sum_ptr + part, running_sum, mask=heads_ok)
+        tl.store(out_ptr + part[:, None] * WIDTH + cols[None, :], acc, mask=mask)
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + cols[None, :],
+                 (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, split_pages, num_splits,
                          stride_pb, stride_ph, stride_ob, stride_oh, num_heads,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
