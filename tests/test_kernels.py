@@ -252,10 +252,11 @@ def test_align_pairs_sorts_each_local_pair_once_into_blocks_of_its_expert(tokens
         assert (expert >= 0) == bool(rows) and all(local[p] == expert for p in rows)
 
 
-@pytest.mark.parametrize("weights_format", ["float", "int4", "fp8", "fp8-block"])
+@pytest.mark.parametrize("weights_format", ["float", "int4", "int4-symmetric", "fp8", "fp8-block"])
 @pytest.mark.parametrize(("tokens", "first_expert"), [(1, 0), (11, 0), (6, 2)])
 def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, weights_format):
-    """One grouped GEMM per projection against the per-expert loop: float experts, INT4 ones (group 32) and FP8 ones
+    """One grouped GEMM per projection against the per-expert loop: float experts, INT4 ones (group 32, with minimums
+    or symmetric: minimums made in the kernel) and FP8 ones
     (scales per channel, or per 32 x 32 block) against the loop over their dequantized weights, and a rank holding
     experts 2..5 of 8 (the others' pairs contribute nothing)."""
     from engine.core.memory import WeightFormat
@@ -273,11 +274,11 @@ def test_fused_experts_match_the_loop_over_experts(tokens, first_expert, weights
     weights = torch.rand(tokens, 3, generator=generator)
     module = experts
     if weights_format != "float":
-        fmt = WeightFormat("int4", 32) if weights_format == "int4" else WeightFormat(
-            "fp8", block_size=32 if weights_format == "fp8-block" else None)
+        fmt = WeightFormat("int4", 32, symmetric=weights_format == "int4-symmetric") if "int4" in weights_format \
+            else WeightFormat("fp8", block_size=32 if weights_format == "fp8-block" else None)
         module = QuantizedExperts(experts, fmt)
         for name in ("gate_up_proj", "down_proj"):          # the loop's weights: the quantized ones, dequantized
-            if weights_format == "int4":
+            if "int4" in weights_format:
                 stacked = [dequantize_int4(module._linear(e, name).weight_int4) for e in range(experts.num_experts)]
             else:
                 stacked = [dequantize_fp8_weight(Fp8Weight(getattr(module, f"{name}_values")[e],

@@ -51,7 +51,7 @@ def align_pairs(ids: torch.Tensor, first_expert: int, num_experts: int,
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, scales_ptr, minimums_ptr, c_ptr, pairs_ptr, experts_ptr, N, K, top_k,
                          stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_cm,
-                         PER_PAIR: tl.constexpr, KIND: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                         PER_PAIR: tl.constexpr, KIND: tl.constexpr, GROUP_SIZE: tl.constexpr, OFFSET: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,8 +78,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, scales_ptr, minimums_ptr, c_ptr, pairs_pt
                 group = k0 // GROUP_SIZE
                 scale = tl.load(scales_ptr + expert * stride_se + cols * stride_sn + group, mask=col_ok,
                                 other=0.0).to(tl.float32)
-                minimum = tl.load(minimums_ptr + expert * stride_se + cols * stride_sn + group, mask=col_ok,
-                                  other=0.0).to(tl.float32)
+                if OFFSET:          # a symmetric grid: the minimum is -OFFSET x the scale
+                    minimum = -OFFSET * scale
+                else:
+                    minimum = tl.load(minimums_ptr + expert * stride_se + cols * stride_sn + group, mask=col_ok,
+                                      other=0.0).to(tl.float32)
                 b = q.to(tl.float32) * scale[:, None] + minimum[:, None]
             elif KIND == 3:         # FP8, a scale per GROUP_SIZE x GROUP_SIZE block
                 b = tl.load(b_ptr + expert * stride_be + cols[:, None] * stride_bn + k[None, :], mask=weight_mask,
@@ -112,7 +115,9 @@ def grouped_gemm(a: torch.Tensor, stack: ExpertWeights, sorted_pairs: torch.Tens
         check(weights.shape[2] * 2 == k, f"packed weights cover K={weights.shape[2] * 2}, a has K={k}")
         check(group % BLOCK_K == 0 and k % group == 0, f"group size {group} must divide K={k} and be a multiple of "
                                                        f"{BLOCK_K}")
-        check(stack.minimums is not None and scales.stride() == stack.minimums.stride(),
+        check((stack.minimums is None) == bool(stack.symmetric_offset),
+              "INT4 experts need minimums, or a symmetric grid's offset (not both)")
+        check(stack.minimums is None or scales.stride() == stack.minimums.stride(),
               "scales and minimums must share strides")
     else:
         check(weights.shape[2] == k, f"weights have K={weights.shape[2]}, a has K={k}")
@@ -124,10 +129,12 @@ def grouped_gemm(a: torch.Tensor, stack: ExpertWeights, sorted_pairs: torch.Tens
                            "float", device)
     grid = (block_experts.shape[0], triton.cdiv(n, config["block_n"]))
     _grouped_gemm_kernel[grid](
-        a, weights, weights if scales is None else scales, stack.minimums if kind == INT4 else weights, out,
+        a, weights, weights if scales is None else scales,
+        stack.minimums if kind == INT4 and stack.minimums is not None else weights, out,
         sorted_pairs, block_experts, n, k, top_k, a.stride(0), weights.stride(0), weights.stride(1),
         0 if scales is None else scales.stride(0), 0 if scales is None or scales.dim() < 2 else scales.stride(1),
-        out.stride(0), PER_PAIR=per_pair, KIND=kind, GROUP_SIZE=group, BLOCK_M=BLOCK_M, BLOCK_N=config["block_n"],
+        out.stride(0), PER_PAIR=per_pair, KIND=kind, GROUP_SIZE=group,
+        OFFSET=stack.symmetric_offset if kind == INT4 else 0, BLOCK_M=BLOCK_M, BLOCK_N=config["block_n"],
         BLOCK_K=BLOCK_K, num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 

@@ -173,14 +173,15 @@ class QuantizedExperts(GroupedExperts):
         return self._linear(index, "down_proj")(F.silu(gate) * up)
 
     def fused_stacks(self) -> tuple[ExpertWeights, ExpertWeights] | None:
-        """INT4 stacks (a symmetric grid's minimums made from its scales) or FP8 ones (channel or block scales)."""
+        """INT4 stacks (a symmetric grid's minimums made in the kernel from its scales) or FP8 ones (channel or block
+        scales)."""
         def stack(name: str) -> ExpertWeights:
             scales = getattr(self, f"{name}_scales")
             if self.fmt.dtype == "fp8":
                 return ExpertWeights(getattr(self, f"{name}_values"), scales, block_size=self.fmt.block_size or 0)
             minimums = getattr(self, f"{name}_minimums")
-            return ExpertWeights(getattr(self, f"{name}_packed"), scales,
-                                 -SYMMETRIC_OFFSET * scales if minimums is None else minimums, self.fmt.group_size)
+            return ExpertWeights(getattr(self, f"{name}_packed"), scales, minimums, self.fmt.group_size,
+                                 symmetric_offset=SYMMETRIC_OFFSET if minimums is None else 0)
         return stack("gate_up_proj"), stack("down_proj")
 
 
