@@ -176,6 +176,15 @@ def test_w4a16_matmul(m, n, k, group_size, dtype):
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 3e-3)
 
 
+def test_w4a16_matmul_of_a_symmetric_grid_makes_its_minimums():
+    """No minimums tensor, the offset instead: as the explicit minimums -8 x scale."""
+    x, packed, scales, _, group_size = int4_case(3, 80, 128, 32, torch.float32, DEVICE, seed=5)
+    out = w4a16_matmul(x, packed, scales, None, group_size, symmetric_offset=8)
+    assert relative_error(out, reference.w4a16_matmul(x, packed, scales, -8 * scales, group_size)) < 1e-5
+    with pytest.raises(ValueError, match="not both"):
+        w4a16_matmul(x, packed, scales, -8 * scales, group_size, symmetric_offset=8)
+
+
 @pytest.mark.parametrize("split_k", [1, 3, 5])
 def test_w4a16_matmul_splits_k(split_k):
     """One row, K of 5 blocks of 64 shared by 1, 3 (two blocks each, the last split short) or 5 programs."""

@@ -69,13 +69,13 @@ class Worker:
         return graphs_refused(self.model_config, getattr(self.model, "mtp", None) is not None,
                               all(module.fused_stacks() is not None for module in experts))
 
-    def needs_pad_page(self) -> bool:
+    def needs_pad_page(self, graphs_refused: str | None) -> bool:
         """Whether the pool keeps a page no request gets: graph replays pad their batches there, and the device
         integrity check sends a flagged request's writes there (one rank, integrity on, where Triton runs)."""
         config = self.config
         device_check = (config.integrity != "off" and config.tensor_parallel == 1
                         and use_triton(torch.empty(0, device=self.device)))
-        return self.graphs_refused() is None or device_check
+        return graphs_refused is None or device_check
 
     @property
     def schedulable_pages(self) -> int:
@@ -87,8 +87,8 @@ class Worker:
         them."""
         page_size = self.config.page_size
         self.kv_cache = PagedKVCache(self.kv_layout, num_pages, page_size, self.device)
-        pad_page = num_pages - 1 if self.needs_pad_page() and num_pages > 1 else None
         refused = self.graphs_refused()
+        pad_page = num_pages - 1 if self.needs_pad_page(refused) and num_pages > 1 else None
         if refused is None and pad_page is not None:
             sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_graph_batch)
             self.graphs = DecodeGraphs(self.model, self.kv_cache, page_size, self.max_model_len, sizes, pad_page,

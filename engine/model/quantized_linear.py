@@ -75,8 +75,8 @@ class Int4Linear(nn.Module):
             from engine.kernels.int4_matmul import w4a16_matmul
 
             weight = self.weight_int4
-            out = w4a16_matmul(flat.contiguous(), weight.packed, weight.scales, weight.group_minimums(),
-                               self.group_size)
+            out = w4a16_matmul(flat.contiguous(), weight.packed, weight.scales, weight.minimums, self.group_size,
+                               symmetric_offset=SYMMETRIC_OFFSET if weight.minimums is None else 0)
             return out.reshape(*x.shape[:-1], self.out_features)
         if x.device.type == "cpu" and self.out_features % CPU_INT4_ROW_MULTIPLE == 0:
             packed, scales_and_zeros = self._cpu_operands()
