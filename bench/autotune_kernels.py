@@ -93,11 +93,33 @@ def moe_cases() -> dict[str, list[Callable[[], Any]]]:
     return cases
 
 
+def path_cases() -> dict[str, list[Callable[[], Any]]]:
+    """Quantized linears through their forward, by rows bucket, at Llama-3.1-8B's projection shapes: the Triton kernel,
+    torch's own (tinygemm for INT4, `_scaled_mm` for FP8) and the widened weight's GEMM, up to prefill's 4096 rows."""
+    from engine.core.memory import WeightFormat
+    from engine.kernels.tuning import rows_bucket
+    from engine.model.quant import quantize_fp8_weight, quantize_int4
+    from engine.model.quantized_linear import Fp8Linear, Int4Linear
+
+    cases: dict[str, list[Callable[[], Any]]] = {}
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        layers = {"int4_linear": Int4Linear(quantize_int4(dense, WeightFormat("int4", 128, scale_dtype="bf16"))),
+                  "fp8_linear": Fp8Linear(quantize_fp8_weight(dense))}
+        for rows in (1, 4, 16, 64, 512, 4096):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            for kernel, layer in layers.items():
+                cases.setdefault(f"{kernel}/{rows_bucket(rows)}", []).append(lambda x=x, layer=layer: layer(x))
+    return cases
+
+
 SPACES = {
     "w4a16": {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "target_programs": (256, 1024)},
     "w8a16": {"block_n": (32, 64, 128), "block_k": (64, 128), "num_warps": (4, 8), "target_programs": (256, 1024)},
     "paged_decode": {"num_warps": (2, 4, 8), "num_stages": (1, 2, 3), "target_programs": (2048, 8192, 32768)},
     "grouped_gemm": {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)},
+    "int4_linear": {"path": ("triton", "torch_int4", "dequantize")},      # engine.model.quantized_linear.LINEAR_PATHS
+    "fp8_linear": {"path": ("triton", "scaled_mm", "dequantize")},
 }
 
 
@@ -134,18 +156,22 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench/autotune_kernels.py needs a CUDA device; this machine has none", file=sys.stderr)
         raise SystemExit(EXIT_NO_CUDA)
-    from engine.kernels.tuning import TUNED, gpu_key
+    from engine.kernels.tuning import TUNED, gpu_key, reread_tuned_files
 
     tuned_dir = args.tuned_dir or TUNED
-    cases = gemm_cases() | attention_cases() | moe_cases()
-    found = tune({key: calls for key, calls in cases.items() if args.only is None or args.only in key})
     tuned_dir.mkdir(parents=True, exist_ok=True)
     path = tuned_dir / f"{gpu_key(torch.cuda.get_device_name())}.json"
-    tuned = json.loads(path.read_text()) if path.exists() else {}
-    for key, result in found.items():
-        kernel, bucket = key.split("/")
-        tuned.setdefault(kernel, {})[bucket] = result["config"]
-    path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+    found: dict[str, dict[str, Any]] = {}
+    for stage in (gemm_cases() | attention_cases() | moe_cases(), path_cases()):     # paths timed on tuned kernels
+        stage_found = tune({key: calls for key, calls in stage.items() if args.only is None or args.only in key})
+        tuned = json.loads(path.read_text()) if path.exists() else {}
+        for key, result in stage_found.items():
+            kernel, bucket = key.split("/")
+            tuned.setdefault(kernel, {})[bucket] = result["config"]
+        path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+        if tuned_dir == TUNED:
+            reread_tuned_files()
+        found |= stage_found
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps({"device": torch.cuda.get_device_name(), "tuned": found}, indent=1) + "\n")
     print(f"written: {path}", file=sys.stderr)

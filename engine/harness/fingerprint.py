@@ -132,7 +132,7 @@ def model_section(llm: LLM) -> dict[str, Any]:
         "kv_bytes_per_token": kv_bytes_per_token(llm.kv_layout),
         "kernels_per_step": config.kernels_per_step(llm.config.tensor_parallel),
         # a step of more rows than this widens every quantized weight: written, then read by the matmul
-        "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device.type),
+        "fused_max_tokens": fused_rows_limit(llm.config.weights, llm.device),
         "dequantized_weight_bytes": 2 * config.decoder_linear_parameters * head.element_size(),
         **_cost_fields(llm),
         # the pure-torch decode attention reads every decode's pages padded to the batch's longest

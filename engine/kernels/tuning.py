@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 TUNED = Path(__file__).resolve().parent / "tuned"
-DEFAULTS: dict[str, dict[str, int]] = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "w4a16": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "target_programs": 512},
     "w8a16": {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2, "target_programs": 512},
     "paged_decode": {"num_warps": 4, "num_stages": 2, "target_programs": 8192},
     "grouped_gemm": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+    "int4_linear": {},          # {"path": ...}: which kernel serves a quantized linear (engine.model.quantized_linear)
+    "fp8_linear": {},
 }
 
 
@@ -31,19 +33,22 @@ def gpu_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+ROWS_BUCKETS = ("rows<=1", "rows<=4", "rows<=16", "rows<=64")
+
+
 def rows_bucket(rows: int) -> str:
     """The shape bucket of a GEMM by its rows: decode's few rows tune apart from a batch's."""
-    for limit in (1, 4, 16, 64):
-        if rows <= limit:
-            return f"rows<={limit}"
+    for bucket in ROWS_BUCKETS:
+        if rows <= int(bucket.removeprefix("rows<=")):
+            return bucket
     return "rows>64"
 
 
-_trying: dict[tuple[str, str], dict[str, int]] = {}        # the autotuner's candidate, while it times it
+_trying: dict[tuple[str, str], dict[str, Any]] = {}        # the autotuner's candidate, while it times it
 
 
 @contextmanager
-def trying(kernel: str, bucket: str, config: dict[str, int]) -> Iterator[None]:
+def trying(kernel: str, bucket: str, config: dict[str, Any]) -> Iterator[None]:
     """Calls of `kernel` in `bucket` use `config` (over the defaults) inside the block: how the autotuner times a
     candidate through the kernels' own entry points."""
     _trying[kernel, bucket] = config
@@ -59,7 +64,12 @@ def _tuned(key: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def launch_config(kernel: str, bucket: str, device: torch.device) -> dict[str, int]:
+def reread_tuned_files() -> None:
+    """The autotuner, having written a stage's configurations, times the next stage on them."""
+    _tuned.cache_clear()
+
+
+def launch_config(kernel: str, bucket: str, device: torch.device) -> dict[str, Any]:
     """The kernel's configuration for a shape bucket on this device: its defaults, overlaid by the committed tuning of
     this GPU where there is one."""
     config = dict(DEFAULTS[kernel])

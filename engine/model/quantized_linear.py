@@ -13,6 +13,7 @@ from engine.core.memory import WeightFormat
 from engine.core.spec import DECODER_COMPONENTS
 from engine.kernels.backend import use_triton
 from engine.kernels.expert_weights import ExpertWeights
+from engine.kernels.tuning import ROWS_BUCKETS, launch_config, rows_bucket
 from engine.model.layers.linear import linear
 from engine.model.layers.moe import Experts, GroupedExperts
 from engine.model.quant import (
@@ -21,6 +22,8 @@ from engine.model.quant import (
     Int4Weight,
     dequantize_fp8_weight,
     dequantize_int4,
+    fp8_scale,
+    quantize_fp8,
     quantize_fp8_weight,
     quantize_int4,
     unpack_int4,
@@ -28,8 +31,20 @@ from engine.model.quant import (
 
 CPU_INT4_INNER_K_TILES = 2
 CPU_INT4_ROW_MULTIPLE = 16     # torch's CPU int4 kernel packs output rows in blocks of 16
-CPU_INT4_ACTIVATIONS = torch.bfloat16   # the CPU kernel is vectorised for bf16 activations only (~30x fp32)
-TRITON_MAX_ROWS = 64           # on CUDA, the fused-dequantization GEMMs serve memory-bound (decode) steps
+CUDA_INT4_INNER_K_TILES = 8    # torch's CUDA int4 kernel (tinygemm): K a multiple of 8 x 16
+CUDA_INT4_GROUPS = (32, 64, 128, 256)
+TORCH_INT4_ACTIVATIONS = torch.bfloat16   # both of torch's int4 kernels take bf16 (the CPU one ~30x faster than fp32)
+TRITON_MAX_ROWS = 64           # on CUDA, by default the fused-dequantization GEMMs serve memory-bound (decode) steps
+LINEAR_PATHS = {"int4_linear": ("triton", "torch_int4", "dequantize"),
+                "fp8_linear": ("triton", "scaled_mm", "dequantize")}
+
+
+def linear_path(kernel: str, rows: int, device: torch.device) -> str:
+    """Which path serves a quantized linear of `rows` rows where Triton runs: the committed tuning's choice for the
+    rows bucket (`bench/autotune_kernels.py` times every path of `LINEAR_PATHS` on the GPU), else the
+    fused-dequantization kernel for decode's few rows and a widened weight's float GEMM for prefill."""
+    default = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+    return launch_config(kernel, rows_bucket(rows), device).get("path", default)
 
 
 class Int4Linear(nn.Module):
@@ -40,8 +55,8 @@ class Int4Linear(nn.Module):
     a float matmul at every row count (one thread: Kimi's 4096 x 7168 expert 0.9 ms at 1 row, 62 ms at 128
     against 254 ms widened, 216 ms at 512 against 474; SmolLM2's 576 x 1536 5.6 against 9.4 ms at 512 rows):
     bf16 dot products run at ~140 GFLOP/s where fp32 ones reach ~100, and nothing is written.
-    On CUDA, decode steps run the Triton W4A16 kernel; compute-bound steps (prefill) dequantize to the
-    compute dtype and run a float matmul.
+    Where Triton runs, `linear_path` picks per rows bucket: the Triton W4A16 kernel, torch's int4 kernel (tinygemm
+    on CUDA) or a widened weight's float matmul.
     """
 
     def __init__(self, weight: Int4Weight) -> None:
@@ -51,37 +66,58 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("minimums", weight.minimums)       # None for a symmetric grid
-        self._cpu_kernel: tuple[torch.Tensor, torch.Tensor] | None = None   # torch's repacking, made once
+        self._torch_operands: tuple[torch.Tensor, torch.Tensor] | None = None   # torch's repacking, made once
 
     @property
     def weight_int4(self) -> Int4Weight:
         return Int4Weight(self.packed, self.scales, self.minimums, self.group_size)
 
-    def _cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cpu_kernel is None:
-            q = unpack_int4(self.packed).to(torch.int32)
-            packed = torch._convert_weight_to_int4pack_for_cpu(q, CPU_INT4_INNER_K_TILES)
+    def torch_int4_fits(self, device: torch.device) -> bool:
+        """Whether torch's int4 kernel on this device takes this weight's shape."""
+        if device.type == "cuda":
+            return (self.in_features % (CUDA_INT4_INNER_K_TILES * 16) == 0 and self.out_features % 8 == 0
+                    and self.group_size in CUDA_INT4_GROUPS)
+        return device.type == "cpu" and self.out_features % CPU_INT4_ROW_MULTIPLE == 0
+
+    def _torch_int4_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's packing of the values (per device) and its [groups, out, 2] scales and zeros."""
+        if self._torch_operands is None:
+            q = unpack_int4(self.packed)
+            if self.packed.is_cuda:             # tinygemm wants the even index in the high nibble
+                packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
+                                                           CUDA_INT4_INNER_K_TILES)
+            else:
+                packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), CPU_INT4_INNER_K_TILES)
             zeros = self.weight_int4.group_minimums().float() + SYMMETRIC_OFFSET * self.scales.float()
             scales_and_zeros = torch.stack([self.scales.float(), zeros], dim=-1).transpose(0, 1).contiguous()
-            self._cpu_kernel = (packed, scales_and_zeros.to(CPU_INT4_ACTIVATIONS))
-        return self._cpu_kernel
+            self._torch_operands = (packed, scales_and_zeros.to(TORCH_INT4_ACTIVATIONS))
+        return self._torch_operands
+
+    def _path(self, rows: int, x: torch.Tensor) -> str:
+        if use_triton(x):
+            path = linear_path("int4_linear", rows, x.device)
+            if path == "torch_int4" and not self.torch_int4_fits(x.device):
+                path = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+            return path
+        return "torch_int4" if self.torch_int4_fits(x.device) else "dequantize"
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.weight_int4, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS:
+        path = self._path(flat.shape[0], x)
+        if path == "triton":
             from engine.kernels.int4_matmul import w4a16_matmul
 
             weight = self.weight_int4
             out = w4a16_matmul(flat.contiguous(), weight.packed, weight.scales, weight.minimums, self.group_size,
                                symmetric_offset=SYMMETRIC_OFFSET if weight.minimums is None else 0)
             return out.reshape(*x.shape[:-1], self.out_features)
-        if x.device.type == "cpu" and self.out_features % CPU_INT4_ROW_MULTIPLE == 0:
-            packed, scales_and_zeros = self._cpu_operands()
-            out = torch._weight_int4pack_mm_for_cpu(flat.to(CPU_INT4_ACTIVATIONS), packed, self.group_size,
-                                                     scales_and_zeros)
+        if path == "torch_int4":
+            packed, scales_and_zeros = self._torch_int4_operands()
+            int4_mm = torch._weight_int4pack_mm if x.is_cuda else torch._weight_int4pack_mm_for_cpu
+            out = int4_mm(flat.to(TORCH_INT4_ACTIVATIONS), packed, self.group_size, scales_and_zeros)
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return linear(x, dequantize_int4(self.weight_int4, x.dtype))
 
@@ -108,25 +144,51 @@ class Fp8Linear(nn.Module):
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_weight(self.weight_fp8, dtype)
 
+    def _path(self, rows: int, x: torch.Tensor) -> str:
+        path = linear_path("fp8_linear", rows, x.device) if use_triton(x) else "dequantize"
+        channel_scales = self.block_size is None
+        if path == "scaled_mm" and not (channel_scales and self.in_features % 16 == 0 and self.out_features % 16 == 0):
+            path = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+        return path if path != "triton" or channel_scales else "dequantize"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if use_triton(x) and flat.shape[0] <= TRITON_MAX_ROWS and self.block_size is None:
+        path = self._path(flat.shape[0], x)
+        if path == "triton":
             from engine.kernels.fp8_matmul import w8a16_matmul
 
             out = w8a16_matmul(flat.contiguous(), self.values, self.scales.float())
-            return out.reshape(*x.shape[:-1], self.out_features)
-        return linear(x, dequantize_fp8_weight(self.weight_fp8, x.dtype))
+        elif path == "scaled_mm":
+            out = scaled_mm_per_row(flat, self.values, self.scales)
+        else:
+            return linear(x, dequantize_fp8_weight(self.weight_fp8, x.dtype))
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def fused_rows_limit(weights: str, device_type: str) -> int | None:
+def scaled_mm_per_row(x: torch.Tensor, values: torch.Tensor, channel_scales: torch.Tensor) -> torch.Tensor:
+    """W8A8 through `torch._scaled_mm`: each row of x quantized to e4m3 with its own scale (dynamic per token, as
+    vLLM runs FP8 checkpoints), the weight's per-channel scales applied in the GEMM's epilogue. Compute-bound
+    steps run at the FP8 tensor cores' rate and read the weight as stored; the price is the activations' rounding."""
+    row_scales = fp8_scale(x.float().abs().amax(dim=-1, keepdim=True))
+    return torch._scaled_mm(quantize_fp8(x.float(), row_scales), values.t(), scale_a=row_scales,
+                            scale_b=channel_scales.float()[None, :], out_dtype=x.dtype)
+
+
+def fused_rows_limit(weights: str, device: torch.device) -> int | None:
     """The most rows a quantized linear serves without widening its weight to the compute dtype; None where
     it is never widened (float weights, INT4 on CPU). Beyond it each step dequantizes every weight: the
     profiler counts that traffic, since it is what the step really moves."""
     if weights not in ("int4", "fp8", "native"):
         return None
-    if device_type == "cuda":
-        return TRITON_MAX_ROWS
-    return None if weights in ("int4", "native") else 0
+    if device.type != "cuda":
+        return None if weights in ("int4", "native") else 0
+    kernel = "fp8_linear" if weights == "fp8" else "int4_linear"
+    served = 0
+    for rows in (*(int(bucket.removeprefix("rows<=")) for bucket in ROWS_BUCKETS), TRITON_MAX_ROWS + 1):
+        if linear_path(kernel, rows, device) == "dequantize":
+            return served
+        served = rows
+    return None
 
 
 def quantize_linear(layer: nn.Linear, fmt: WeightFormat, search: bool = False) -> nn.Module:

@@ -1,6 +1,8 @@
 """The Triton kernels on CUDA against the same torch oracles, bf16 included, FP8 writes byte-exact."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from kernel_cases import (
@@ -172,3 +174,30 @@ def test_fused_experts_cuda(tokens, int4):
     weights = torch.rand(tokens, 8, generator=generator).to(DEVICE)
     fused = fused_experts(x, weights, ids, 0, 64, *module.fused_stacks())
     assert relative_error(fused, experts.grouped(x, weights, ids)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_every_quantized_linear_path_cuda(rows):
+    """Each path the autotuner may choose (Triton, torch's tinygemm / _scaled_mm, the widened weight) against the
+    widened weight's product; and the rows the default tuning serves unwidened."""
+    from engine.core.memory import WeightFormat
+    from engine.kernels.tuning import rows_bucket, trying
+    from engine.model.quant import quantize_fp8_weight, quantize_int4
+    from engine.model.quantized_linear import LINEAR_PATHS, Fp8Linear, Int4Linear, fused_rows_limit
+
+    generator = torch.Generator().manual_seed(rows)
+    dense = (torch.randn(4096, 1024, generator=generator) * 0.02).to(DEVICE, torch.bfloat16)
+    layers = {"int4_linear": Int4Linear(quantize_int4(dense, WeightFormat("int4", 128, scale_dtype="bf16"))),
+              "fp8_linear": Fp8Linear(quantize_fp8_weight(dense))}
+    x = torch.randn(rows, 1024, generator=generator).to(DEVICE, torch.bfloat16)
+    for kernel, layer in layers.items():
+        expected = x.float() @ layer.dense_weight(torch.float32).t()
+        for path in LINEAR_PATHS[kernel]:
+            with trying(kernel, rows_bucket(rows), {"path": path}):
+                assert layer._path(rows, x) == path
+                tolerance = 0.04 if path == "scaled_mm" else TOLERANCE[torch.bfloat16]
+                assert relative_error(layer(x), expected) < tolerance, (kernel, path)
+    with contextlib.ExitStack() as paths:
+        for bucket, path in (("rows<=1", "torch_int4"), ("rows<=4", "triton"), ("rows<=16", "dequantize")):
+            paths.enter_context(trying("int4_linear", bucket, {"path": path}))
+        assert fused_rows_limit("int4", x.device) == 4
