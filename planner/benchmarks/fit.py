@@ -47,7 +47,7 @@ from planner.simulation.workload import LengthDistribution, Workload
 
 BYTE_TERMS = ("weight_bytes", "gemv_weight_bytes", "dequant_bytes", "kv_bytes")
 FLOP_TERMS = ("linear_flops", "attention_flops", "expert_flops")
-UNIT_PEAKS = Peaks(1.0, 1.0, 1.0)
+UNIT_PEAKS = Peaks(1.0, 1.0, 1.0, 1.0)
 # what serving benchmarks can tell apart (`bench/gpu_calibration.py` checks each against leave-one-model-out):
 # per step and per sequence, the weights' streaming rate, the GEMMs' share of peak, a cost per routed expert run
 # (MoE batches touch more experts), the all-reduce latency
@@ -163,7 +163,9 @@ class PointSetup:
         link = peaks.link_bytes_per_s or math.inf
         return replace(terms, **{name: getattr(terms, name) / peaks.bandwidth_bytes_per_s for name in BYTE_TERMS},
                        **{name: getattr(terms, name) / peaks.flops_per_s for name in FLOP_TERMS},
-                       collective_wire_bytes=terms.collective_wire_bytes / link)
+                       collective_wire_bytes=terms.collective_wire_bytes / link,
+                       all_to_all_link_bytes=terms.all_to_all_link_bytes / link,
+                       all_to_all_network_bytes=terms.all_to_all_network_bytes / (peaks.network_bytes_per_s or math.inf))
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,9 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
           "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6),
           "request_overhead_s": (0.0, 2.0, 1e-2),
           "expert_gemm_scale": (0.01, 1.5, 0.1), "verify_step_overhead_s": (0.0, 1.0, 1e-3),
-          "verify_overhead_s": (0.0, 0.1, 1e-3)}
+          "verify_overhead_s": (0.0, 0.1, 1e-3), "all_to_all_latency_s": (0.0, 0.01, 1e-5),
+          "all_to_all_link_efficiency": (0.01, 1.5, 0.1), "network_efficiency": (0.01, 1.5, 0.1),
+          "two_batch_overlap_share": (0.0, 1.0, 0.1)}
 # coefficients one model's profile cannot tell from the step overhead (its kernels are as many at every point):
 # fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
@@ -72,7 +74,9 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
            "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches",
            "expert_gemm_scale": "expert_flops", "verify_step_overhead_s": "verifying",
-           "verify_overhead_s": "num_verifications"}
+           "verify_overhead_s": "num_verifications", "all_to_all_latency_s": "all_to_all_calls",
+           "all_to_all_link_efficiency": "all_to_all_link_bytes", "network_efficiency": "all_to_all_network_bytes",
+           "two_batch_overlap_share": "overlapped"}
 
 
 def load_profile(path: str | Path) -> dict[str, Any]:

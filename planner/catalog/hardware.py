@@ -33,12 +33,16 @@ class HardwareSpec:
     allreduce_latency_eager_s: float = 0.0      # the same launched on its own
     kernel_launch_s: float = 0.0                # host time per kernel an eager step launches
     cuda_graphs: bool = False                   # serving engines capture decode steps in CUDA graphs here
+    gpus_per_node: int = 8                      # GPUs one NVLink domain joins; beyond, traffic crosses the NICs
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "link_bytes_per_s",
                      "network_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise PlannerError(f"hardware {self.key!r}: {name} must be positive, got {getattr(self, name)!r}")
+        if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node > 0):
+            raise PlannerError(f"hardware {self.key!r}: gpus_per_node must be a positive integer, got "
+                               f"{self.gpus_per_node!r}")
         for name in ("gpu_hour_usd", "allreduce_latency_s", "allreduce_latency_eager_s", "kernel_launch_s"):
             if not getattr(self, name) >= 0:
                 raise PlannerError(f"hardware {self.key!r}: {name} must be >= 0, got {getattr(self, name)!r}")
@@ -89,7 +93,8 @@ def catalogue() -> dict[str, HardwareSpec]:
             calibrated=entry.get("calibrated", False),
             allreduce_latency_s=entry["allreduce_latency_us"]["cuda_graphs"] * 1e-6,
             allreduce_latency_eager_s=entry["allreduce_latency_us"]["eager"] * 1e-6,
-            kernel_launch_s=entry["kernel_launch_us"] * 1e-6, cuda_graphs=entry["cuda_graphs"])
+            kernel_launch_s=entry["kernel_launch_us"] * 1e-6, cuda_graphs=entry["cuda_graphs"],
+            gpus_per_node=entry["gpus_per_node"])
     return specs
 
 

@@ -13,8 +13,10 @@ Parallelism: tensor parallelism (TP) splits attention, dense layers, shared expe
 over the TP group; grouped-query K/V heads split over at most their number of heads (beyond it, each GPU
 holds one head, replicated); the MLA latent is replicated on every TP rank (it has no heads to split)
 unless attention is data-parallel, where each GPU holds all attention weights and the cache of its own
-requests only. Routed experts split over the TP group, or with expert parallelism over all GPUs.
-Data parallelism (gpus / TP replicas) replicates the rest.
+requests only; the dense layers, shared experts and head then split over `dense_tensor_parallel` GPUs (SGLang's
+--moe-dense-tp-size; 1 in wide expert-parallel deployments: replicated). Routed experts split over the TP group, or
+with expert parallelism over all GPUs, whole experts per GPU, EPLB's redundant copies included.
+Data parallelism (gpus / TP replicas) replicates the rest. No tensor-parallel group spans nodes.
 """
 from __future__ import annotations
 
@@ -65,6 +67,9 @@ class Parallelism:
     tensor_parallel: int | None = None        # default: all GPUs in one TP group
     expert_parallel: bool = False
     attention_data_parallel: bool = False
+    gpus_per_node: int | None = None          # GPUs one NVLink domain joins (None: all of them, one node)
+    redundant_experts: int = 0                # extra expert copies per MoE layer (EPLB), dealt with the rest
+    dense_tensor_parallel: int | None = None  # dense FFN, shared experts, head under DP attention (None: the TP group)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus <= 0:
@@ -72,6 +77,24 @@ class Parallelism:
         tp = self.tp
         if not isinstance(tp, int) or tp <= 0 or self.gpus % tp:
             raise PlannerError(f"tensor parallelism {tp!r} must divide the {self.gpus} GPUs")
+        node = self.node_size
+        if not isinstance(node, int) or node <= 0:
+            raise PlannerError(f"GPUs per node must be a positive integer, got {self.gpus_per_node!r}")
+        if self.gpus > node and self.gpus % node:
+            raise PlannerError(f"{self.gpus} GPUs are not a whole number of nodes of {node}")
+        dense = self.dense_tp
+        if not isinstance(dense, int) or dense <= 0 or tp % dense:
+            raise PlannerError(f"the dense layers' tensor parallelism {dense!r} must divide the TP group of {tp}")
+        if dense != tp and not self.attention_data_parallel:
+            raise PlannerError("a dense tensor parallelism apart from the TP group needs data-parallel attention")
+        for what, size in (("attention", self.attention_tp), ("the dense layers", dense)):
+            if size > node:
+                raise PlannerError(f"{what} tensor-parallel over {size} GPUs would span nodes of {node}: keep it "
+                                   f"within a node (data-parallel attention with --dense-tp 1 spreads wider)")
+        if not isinstance(self.redundant_experts, int) or self.redundant_experts < 0:
+            raise PlannerError(f"redundant experts must be a non-negative integer, got {self.redundant_experts!r}")
+        if self.redundant_experts and not self.expert_parallel:
+            raise PlannerError("redundant experts need expert parallelism")
 
     @property
     def tp(self) -> int:
@@ -82,24 +105,60 @@ class Parallelism:
         return self.gpus // self.tp
 
     @property
+    def node_size(self) -> int:
+        return self.gpus if self.gpus_per_node is None else self.gpus_per_node
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.node_size)
+
+    @property
     def attention_tp(self) -> int:
         return 1 if self.attention_data_parallel else self.tp
+
+    @property
+    def dense_tp(self) -> int:
+        return self.tp if self.dense_tensor_parallel is None else self.dense_tensor_parallel
 
     @property
     def replicas(self) -> int:
         """Independent KV pools: TP groups, or every GPU when attention is data-parallel."""
         return self.gpus if self.attention_data_parallel else self.dp
 
+    @property
+    def expert_ranks(self) -> int:
+        """GPUs a layer's routed experts are spread over: all of them under expert parallelism, else the TP group
+        (each holds a slice of every expert)."""
+        return self.gpus if self.expert_parallel else self.tp
+
+    @property
+    def expert_token_sources(self) -> int:
+        """Groups of distinct tokens that meet at the experts: the attention replicas among their ranks."""
+        return self.expert_ranks // self.attention_tp
+
+    @property
+    def all_to_all(self) -> bool:
+        """Tokens travel to their experts' GPUs and back (DeepEP's dispatch and combine): data-parallel attention
+        in front of expert parallelism."""
+        return self.expert_parallel and self.attention_data_parallel and self.gpus > 1
+
+    def local_expert_slots(self, num_experts: int) -> int:
+        """Experts one GPU holds per MoE layer: whole ones (redundant copies included) under expert parallelism."""
+        if not self.expert_parallel:
+            return num_experts
+        return -(-(num_experts + self.redundant_experts) // self.gpus)
+
 
 def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
                             parallel: Parallelism) -> dict[str, int]:
-    """Weight bytes each GPU holds, by component."""
+    """Weight bytes each GPU holds, by component. Under expert parallelism each GPU holds whole experts of every
+    MoE layer (`Parallelism.local_expert_slots`), EPLB's redundant copies included."""
     def split(component: str, linear: Linear | None) -> tuple[int, bool]:
         if linear is None:
-            return (parallel.tp if component == "embeddings" else 1), False
+            return (parallel.dense_tp if component == "embeddings" else 1), False
         if component == "routed_experts":
-            return (parallel.gpus, True) if parallel.expert_parallel else (parallel.tp, False)
-        tp = parallel.attention_tp if component == "attention" else parallel.tp
+            return (1, False) if parallel.expert_parallel else (parallel.tp, False)
+        tp = parallel.attention_tp if component == "attention" else parallel.dense_tp
         if linear.shard == "replicated":
             return 1, False
         if linear.shard == "kv_heads":
@@ -107,9 +166,17 @@ def component_bytes_per_gpu(model: ModelSpec, scheme: dict[str, WeightFormat],
         return tp, False
 
     try:
-        return component_weight_bytes(model, scheme, FLOAT_DTYPE, split)
+        by_component = component_weight_bytes(model, scheme, FLOAT_DTYPE, split)
     except ConfigError as error:
         raise PlannerError(f"{model.name}: {error}") from None
+    experts = model.ffn.num_experts
+    if parallel.expert_parallel and experts:
+        routed = model.components()["routed_experts"]
+        fmt = scheme.get("routed_experts", WeightFormat(FLOAT_DTYPE))
+        linear_bytes = sum(fmt.linear_bytes(one.out_features, one.in_features) * one.count for one in routed.linears)
+        other = by_component["routed_experts"] - linear_bytes
+        by_component["routed_experts"] = linear_bytes // experts * parallel.local_expert_slots(experts) + other
+    return by_component
 
 
 def kv_bytes_per_token_per_gpu(model: ModelSpec, kv_dtype: str, parallel: Parallelism, draft_layers: int = 0) -> int:
@@ -129,8 +196,8 @@ def activation_bytes_per_gpu(model: ModelSpec, parallel: Parallelism, max_batche
     """The largest step's working set: hidden-sized buffers, the widest FFN slice, fp32 logits of the samples."""
     ffn = model.ffn
     widest = max(ffn.dense_intermediate, ffn.shared_intermediate, ffn.experts_per_token * ffn.expert_intermediate)
-    per_token = ACTIVATION_WIDTHS * model.hidden_size + 2 * ceil_div(widest, parallel.tp)
-    logits = max_seqs * ceil_div(model.vocab_size, parallel.tp) * 4
+    per_token = ACTIVATION_WIDTHS * model.hidden_size + 2 * ceil_div(widest, parallel.dense_tp)
+    logits = max_seqs * ceil_div(model.vocab_size, parallel.dense_tp) * 4
     return weight_bytes(max_batched_tokens * per_token, FLOAT_DTYPE) + logits + WORKSPACE_BYTES
 
 

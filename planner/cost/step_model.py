@@ -30,6 +30,13 @@ Under tensor parallelism every term above is one GPU's share, and the step adds 
 wait for the slowest GPU and do not overlap the compute that needs their result:
 
     t_communication = collective_latency × collectives + wire bytes / (link_efficiency × link bandwidth)
+                    + all_to_all_latency × all-to-alls + max(NVLink bytes / (a2a_link_efficiency × link bandwidth),
+                                                             NIC bytes / (network_efficiency × NIC bandwidth))
+
+The all-to-alls are wide expert parallelism's (`planner.cost.expert_parallel`): each token to its experts' GPUs and
+back, the most-loaded GPU's share (`expert_load_factor`, which also scales the routed experts' FLOPs). Under
+two-batch overlap the step's two micro-batches each stream the weights, and `two_batch_overlap_share` of the
+shorter of communication and the rest of the step's work hides under the other.
 
 A step of one new token multiplies by vectors, not matrices: BLAS and GPU libraries run other kernels
 for it (GEMV), which stream the weights at their own rate. Widening quantized weights (unpacking, scaling, converting) is its own rate too, and so is KV traffic: attention gathers pages scattered over the pool and, for FP8 pages,
@@ -71,6 +78,12 @@ from dataclasses import dataclass, fields
 from engine.core.memory import ceil_div
 from engine.core.step_shape import expected_experts_touched, shape_fields
 from planner.cost.communication import wire_bytes
+from planner.cost.expert_parallel import (
+    A2A_LATENCY_S,
+    A2A_LINK_EFFICIENCY,
+    A2A_NETWORK_EFFICIENCY,
+    TWO_BATCH_OVERLAP_SHARE,
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +117,20 @@ class ModelCosts:
     allreduce_bytes_per_token: float = 0.0
     gather_bytes_per_sequence: float = 0.0
     kernels_per_step: float = 0.0       # kernels a step launches, every layer's (`kernel_launch_s` each)
-    # Expert parallelism over this many GPUs: each layer waits for the GPU whose experts its tokens touch most
+    # Expert parallelism over this many GPUs: each layer waits for the GPU whose experts its tokens touch most,
+    # and for the one whose experts receive the most pairs (`expert_load_cv`: the spread of the GPUs' loads)
     expert_parallel_ranks: int = 1
+    expert_load_cv: float = 0.0
+    # the groups of distinct tokens that meet at the experts: data-parallel attention ranks sharing the experts
+    expert_token_sources: int = 1
+    # wide expert parallelism (`planner.cost.expert_parallel`): dispatch and combine per step, and the bytes each
+    # token a GPU serves sends over NVLink and over the NICs; two-batch overlap hides them under the other
+    # micro-batch's work (each micro-batch streams the weights again)
+    all_to_all_calls_per_step: int = 0
+    all_to_all_link_bytes_per_token: float = 0.0
+    all_to_all_decode_network_bytes_per_token: float = 0.0      # low-latency kernels: every pair off the node
+    all_to_all_prefill_network_bytes_per_token: float = 0.0     # normal kernels: once per other node reached
+    two_batch_overlap: bool = False
     # DeepSeek Sparse Attention: a query attends at most `index_topk` cached tokens, chosen by an indexer that
     # scores every cached token (its keys are `indexer_bytes_per_token` of kv_bytes_per_token; its FLOPs per
     # (query, cached token) pair). No scan while no context exceeds index_topk: every token is selected then.
@@ -133,7 +158,8 @@ class ModelCosts:
         if not self.num_experts:
             return 0.0
         local = self.num_experts if self.local_experts is None else self.local_experts
-        share = expected_experts_touched(self.num_experts, self.experts_per_token, num_tokens) / self.num_experts
+        meeting = num_tokens * self.expert_token_sources
+        share = expected_experts_touched(self.num_experts, self.experts_per_token, meeting) / self.num_experts
         touched = local * share
         if self.expert_parallel_ranks > 1:
             spread = math.sqrt(local * share * (1.0 - share))
@@ -143,6 +169,16 @@ class ModelCosts:
     def weight_bytes_read(self, num_tokens: int) -> float:
         """Dense weights, plus the routed experts that `num_tokens` tokens touch in expectation."""
         return self.dense_weight_bytes + self.experts_touched(num_tokens) * self.expert_weight_bytes
+
+    def expert_load_factor(self, num_tokens: int) -> float:
+        """The most-loaded expert GPU's pairs over the mean (1 without expert parallelism): the spread of the GPUs'
+        loads and the noise of the count itself, at the expected maximum over the GPUs."""
+        ranks = self.expert_parallel_ranks
+        if ranks <= 1 or not self.num_experts or num_tokens <= 0:
+            return 1.0
+        mean_pairs = num_tokens * self.expert_token_sources * self.experts_per_token / ranks
+        spread = math.sqrt(self.expert_load_cv ** 2 + 1.0 / max(mean_pairs, 1.0))
+        return 1.0 + expected_max_normal(ranks) * spread
 
 
 @dataclass(frozen=True)
@@ -220,6 +256,11 @@ class StepParameters:
     # fitted to a profile's verification points, else zero (a GPU engine verifies in its decode kernels)
     verify_step_overhead_s: float = 0.0
     verify_overhead_s: float = 0.0
+    # wide expert parallelism's all-to-alls (`planner.cost.expert_parallel`, from DeepEP's published kernels)
+    all_to_all_latency_s: float = A2A_LATENCY_S
+    all_to_all_link_efficiency: float = A2A_LINK_EFFICIENCY
+    network_efficiency: float = A2A_NETWORK_EFFICIENCY
+    two_batch_overlap_share: float = TWO_BATCH_OVERLAP_SHARE     # of the shorter of communication and work, hidden
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -227,11 +268,13 @@ class StepParameters:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{item.name} must be a finite number >= 0, got {value!r}")
         for name in ("bandwidth_efficiency", "gemv_efficiency", "kv_bandwidth_efficiency", "dequant_efficiency",
-                     "compute_efficiency", "attention_efficiency", "link_efficiency"):
+                     "compute_efficiency", "attention_efficiency", "link_efficiency", "all_to_all_link_efficiency",
+                     "network_efficiency"):
             if not 0 < getattr(self, name) <= 1.5:
                 raise ValueError(f"{name} must be in (0, 1.5], got {getattr(self, name)!r}")
-        if self.overlap > 1:
-            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        for name in ("overlap", "two_batch_overlap_share"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if not 0 < self.expert_gemm_scale <= 1.5:
             raise ValueError(f"expert_gemm_scale must be in (0, 1.5], got {self.expert_gemm_scale!r}")
         if not 0 < self.linear_scale <= 3:
@@ -286,11 +329,12 @@ class Peaks:
     bandwidth_bytes_per_s: float
     flops_per_s: float
     link_bytes_per_s: float | None = None   # what one GPU sends per second to the others (None: one device)
+    network_bytes_per_s: float | None = None    # what one GPU sends per second to other nodes (None: one node)
 
     def __post_init__(self) -> None:
         if not (self.bandwidth_bytes_per_s > 0 and self.flops_per_s > 0
-                and (self.link_bytes_per_s is None or self.link_bytes_per_s > 0)):
-            raise ValueError(f"peak bandwidth, FLOP/s and link bandwidth must be positive, got {self}")
+                and all(link is None or link > 0 for link in (self.link_bytes_per_s, self.network_bytes_per_s))):
+            raise ValueError(f"peak bandwidth, FLOP/s and link bandwidths must be positive, got {self}")
 
 
 @dataclass(frozen=True)
@@ -311,6 +355,10 @@ class StepTerms:
     expert_flops: float = 0.0           # the routed experts' part of linear_flops
     verifying: float = 0.0              # 1 for a step that verifies drafts
     num_verifications: float = 0.0      # the verifications in it (not among num_prefills, the prompts' chunks)
+    all_to_all_calls: float = 0.0       # wide expert parallelism: dispatches and combines
+    all_to_all_link_bytes: float = 0.0      # what the most-loaded GPU moves over NVLink in them
+    all_to_all_network_bytes: float = 0.0   # ... and over its NIC
+    overlapped: float = 0.0             # 1 under two-batch overlap: communication hides under the step's work
 
 
 def decode_tokens_read(costs: ModelCosts, batch: BatchShape) -> int:
@@ -354,19 +402,27 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     calls, wire = collective_terms(costs, batch)
     prompt_chunks = batch.num_prefills - batch.num_verifications
     verifying = float(batch.num_verifications > 0)
+    load = costs.expert_load_factor(batch.new_tokens)
+    a2a = {"all_to_all_calls": float(costs.all_to_all_calls_per_step),
+           "all_to_all_link_bytes": costs.all_to_all_link_bytes_per_token * batch.new_tokens * load,
+           "all_to_all_network_bytes": batch.new_tokens * load * (
+               costs.all_to_all_prefill_network_bytes_per_token if batch.num_prefills
+               else costs.all_to_all_decode_network_bytes_per_token),
+           "overlapped": float(costs.two_batch_overlap)}
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
                          prompt_chunks, linears.seconds(batch.new_tokens, batch.logit_rows), experts, calls, wire,
-                         costs.kernels_per_step, 0.0, verifying, batch.num_verifications)
-    linear = (costs.linear_flops_per_token * batch.new_tokens + costs.head_flops_per_sequence * batch.logit_rows
-              + expansion)
+                         costs.kernels_per_step, 0.0, verifying, batch.num_verifications, **a2a)
+    expert_flops = costs.expert_flops_per_token * batch.new_tokens * load
+    linear = ((costs.linear_flops_per_token - costs.expert_flops_per_token) * batch.new_tokens + expert_flops
+              + costs.head_flops_per_sequence * batch.logit_rows + expansion)
     widens = costs.fused_max_tokens is not None and batch.new_tokens > costs.fused_max_tokens
-    weights = costs.weight_bytes_read(batch.new_tokens)
+    weights = costs.weight_bytes_read(batch.new_tokens) * (2.0 if costs.two_batch_overlap else 1.0)
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
                      batch.num_seqs, prompt_chunks, 0.0, experts, calls, wire, costs.kernels_per_step,
-                     costs.expert_flops_per_token * batch.new_tokens, verifying, batch.num_verifications)
+                     expert_flops, verifying, batch.num_verifications, **a2a)
 
 
 def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float]:
@@ -396,6 +452,17 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
                + terms.attention_flops / params.attention_efficiency) / peaks.flops_per_s
     shorter = (memory + compute - abs(memory - compute)) / 2
     memory_is_shorter = memory <= compute
+    memory_part = memory - params.overlap * shorter * memory_is_shorter
+    compute_part = compute - params.overlap * shorter * (1 - memory_is_shorter)
+    link_s = terms.all_to_all_link_bytes / (params.all_to_all_link_efficiency * (peaks.link_bytes_per_s or math.inf))
+    network_s = terms.all_to_all_network_bytes / (params.network_efficiency
+                                                  * (peaks.network_bytes_per_s or math.inf))
+    communication = (params.collective_latency_s * terms.collective_calls + terms.collective_wire_bytes
+                     / (params.link_efficiency * (peaks.link_bytes_per_s or math.inf))
+                     + params.all_to_all_latency_s * terms.all_to_all_calls
+                     + (link_s + network_s + abs(link_s - network_s)) / 2)     # NVLink and NICs move at once
+    work = memory_part + compute_part
+    hidden = params.two_batch_overlap_share * (communication + work - abs(communication - work)) / 2
     return {
         "fixed": (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
                   + params.chunk_overhead_s * terms.num_prefills + params.verify_step_overhead_s * terms.verifying
@@ -403,10 +470,9 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
         "launches": params.kernel_launch_s * terms.kernel_launches,
         "experts": params.expert_overhead_s * terms.expert_calls,
         "measured_linears": params.linear_scale * terms.measured_linear_s,
-        "memory": memory - params.overlap * shorter * memory_is_shorter,
-        "compute": compute - params.overlap * shorter * (1 - memory_is_shorter),
-        "communication": (params.collective_latency_s * terms.collective_calls + terms.collective_wire_bytes
-                          / (params.link_efficiency * (peaks.link_bytes_per_s or math.inf))),
+        "memory": memory_part,
+        "compute": compute_part,
+        "communication": communication - terms.overlapped * hidden,
     }
 
 

@@ -7,20 +7,21 @@ one exists for that hardware and these dtypes, else the documented defaults of `
 `planner.deployment.simulate`; searching over deployments is `planner.search.deployments`.
 
 Decode throughput at a context length: every replica runs its largest concurrency (the KV pool's, at
-most `max_num_seqs`) as one decode batch. Prefill throughput: one chunk of `max_num_batched_tokens` new
-tokens per step. Cost per million output tokens: GPU-hours of the whole deployment over its decode output.
+most `max_num_seqs`) as one decode batch. Prefill throughput: steps of `max_num_batched_tokens` new tokens, as many
+prompts of the context as fit (a longer prompt's first chunk). Cost per million output tokens: GPU-hours of the whole deployment over its decode output.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from engine.core.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.core.spec import ModelSpec
 from planner.calibration.parameters import FIGURE_ERRORS, step_parameters
 from planner.catalog.hardware import HardwareSpec, get_hardware
 from planner.catalog.models import get_model
+from planner.cost.expert_parallel import all_to_all_traffic, rank_load_cv
 from planner.cost.memory_plan import (
     DEFAULT_BATCHED_TOKENS,
     DEFAULT_CONTEXT,
@@ -58,6 +59,10 @@ class Deployment:
     cuda_graphs: bool | None = None         # decode steps captured in CUDA graphs (None: the catalogue's default)
     prefix_caching: bool = True             # the engine's default, and vLLM's and SGLang's
     speculation: Speculation | None = None  # speculative decoding (the simulator draws drafts and acceptance)
+    gpus_per_node: int | None = None        # None: the hardware catalogue's (8 on HGX boards)
+    redundant_experts: int = 0              # EPLB's extra expert copies per MoE layer
+    dense_tensor_parallel: int | None = None    # under data-parallel attention (SGLang's --moe-dense-tp-size)
+    two_batch_overlap: bool = False         # two micro-batches hide the all-to-alls (SGLang, DeepSeek)
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
@@ -74,12 +79,40 @@ class Deployment:
 
     @property
     def parallel(self) -> Parallelism:
-        return Parallelism(self.gpus, self.tensor_parallel, self.expert_parallel, self.attention_data_parallel)
+        """The layout. Beyond one node no tensor-parallel group spans nodes: unless a TP size is given, a
+        mixture-of-experts model spreads wide (data-parallel attention, experts over every GPU, dense layers
+        replicated: how DeepSeek, SGLang and vLLM serve them on many nodes), a dense model runs a TP group per node."""
+        node = self.gpus_per_node or get_hardware(self.hardware).gpus_per_node
+        tp, expert, attention_dp, dense = (self.tensor_parallel, self.expert_parallel, self.attention_data_parallel,
+                                           self.dense_tensor_parallel)
+        if tp is None and self.gpus > node:
+            if get_model(self.model).is_moe:
+                expert = attention_dp = True
+            if expert and attention_dp:
+                dense = 1 if dense is None else dense
+            else:
+                tp = node
+        return Parallelism(self.gpus, tp, expert, attention_dp, node, self.redundant_experts, dense)
+
+    def layout(self) -> str:
+        """The layout in words, as `planner plan` prints it."""
+        parallel = self.parallel
+        nodes = f"{parallel.nodes} nodes of {parallel.node_size}" if parallel.nodes > 1 else "one node"
+        if parallel.all_to_all:
+            redundant = f" (+{parallel.redundant_experts} redundant)" if parallel.redundant_experts else ""
+            return (f"wide expert parallelism over {self.gpus} GPUs, {nodes}: attention data-parallel x"
+                    f"{parallel.replicas}, routed experts{redundant} over all, dense layers TP {parallel.dense_tp}"
+                    f"{', two-batch overlap' if self.two_batch_overlap else ''}")
+        experts = ", experts over all GPUs" if parallel.expert_parallel else ""
+        attention = ", attention data-parallel" if parallel.attention_data_parallel else ""
+        return f"{parallel.dp} x TP {parallel.tp}{experts}{attention}, {nodes}"
 
 
-def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
-    """Per-GPU step costs: this GPU's weights and KV, its share of the FLOPs, its collectives (bf16 activations:
-    `engine.core.memory.tensor_parallel_traffic`) and the kernels it launches."""
+def model_costs(model: ModelSpec, plan: MemoryPlan, two_batch_overlap: bool = False) -> ModelCosts:
+    """Per-GPU step costs: this GPU's weights and KV, its share of the FLOPs (attention over its attention group,
+    dense layers over theirs, the routed experts' pairs of every token that meets at them over the GPUs holding
+    them), its collectives (bf16 activations: `engine.core.memory.tensor_parallel_traffic`), its all-to-alls under
+    wide expert parallelism (`planner.cost.expert_parallel`) and the kernels it launches."""
     parallel = plan.parallel
     by_component = plan.weights_by_component
     head = by_component["head"] if not model.tie_word_embeddings else by_component["embeddings"]
@@ -87,29 +120,42 @@ def model_costs(model: ModelSpec, plan: MemoryPlan) -> ModelCosts:
     ffn = model.ffn
     expert_bytes, local = 0.0, None
     if ffn.moe_layers:
-        total_experts = ffn.moe_layers * ffn.num_experts
         if parallel.expert_parallel:
-            local = -(-ffn.num_experts // parallel.gpus)
+            local = parallel.local_expert_slots(ffn.num_experts)
             expert_bytes = by_component["routed_experts"] / (ffn.moe_layers * local)
         else:
-            expert_bytes = by_component["routed_experts"] / total_experts
-    attention_tp = parallel.attention_tp
-    traffic = tensor_parallel_traffic(model.num_layers, model.hidden_size, model.vocab_size, parallel.tp,
+            expert_bytes = by_component["routed_experts"] / (ffn.moe_layers * ffn.num_experts)
+    attention_tp, dense_tp = parallel.attention_tp, parallel.dense_tp
+    parts = model.component_parameters()
+    routed_flops = 2.0 * ffn.moe_layers * ffn.experts_per_token * model.expert_parameters
+    expert_flops = routed_flops * parallel.expert_token_sources / parallel.expert_ranks
+    collective_ranks = dense_tp if parallel.all_to_all else parallel.tp
+    traffic = tensor_parallel_traffic(model.num_layers, model.hidden_size, model.vocab_size, collective_ranks,
                                       dtype_bytes("bf16"), attention_parallel=not parallel.attention_data_parallel)
+    expert_parallel = parallel.expert_parallel and bool(ffn.moe_layers)
+    a2a = all_to_all_traffic(model.hidden_size, ffn.experts_per_token, ffn.moe_layers,
+                             parallel.gpus if parallel.all_to_all else 1, parallel.node_size)
     return ModelCosts(
         dense_weight_bytes=dense,
-        linear_flops_per_token=model.linear_flops_per_token / parallel.tp,
-        expert_flops_per_token=2.0 * ffn.moe_layers * ffn.experts_per_token * model.expert_parameters / parallel.tp,
+        linear_flops_per_token=(2.0 * parts["attention"] / attention_tp
+                                + 2.0 * (parts["dense_ffn"] + parts["shared_experts"]) / dense_tp + expert_flops),
+        expert_flops_per_token=expert_flops,
         **{name: flops / attention_tp for name, flops in model.attention_flops().items()},
         kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
-        head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / parallel.tp,
+        head_flops_per_sequence=2.0 * model.vocab_size * model.hidden_size / dense_tp,
         expert_weight_bytes=expert_bytes, num_moe_layers=ffn.moe_layers, num_experts=ffn.num_experts,
         experts_per_token=ffn.experts_per_token, local_experts=local,
-        tensor_parallel=parallel.tp, collective_calls_per_step=traffic.calls_per_step,
+        tensor_parallel=collective_ranks, collective_calls_per_step=traffic.calls_per_step,
         allreduce_bytes_per_token=traffic.allreduce_bytes_per_token,
         gather_bytes_per_sequence=traffic.gather_bytes_per_sequence,
-        kernels_per_step=model.kernels_per_step(parallel.tp),
-        expert_parallel_ranks=parallel.gpus if parallel.expert_parallel and ffn.moe_layers else 1,
+        kernels_per_step=model.kernels_per_step(collective_ranks),
+        expert_parallel_ranks=parallel.expert_ranks if expert_parallel else 1,
+        expert_load_cv=rank_load_cv(local or 1, parallel.redundant_experts) if expert_parallel else 0.0,
+        expert_token_sources=parallel.expert_token_sources,
+        all_to_all_calls_per_step=a2a.calls_per_step, all_to_all_link_bytes_per_token=a2a.link_bytes_per_token,
+        all_to_all_decode_network_bytes_per_token=a2a.decode_network_bytes_per_token,
+        all_to_all_prefill_network_bytes_per_token=a2a.prefill_network_bytes_per_token,
+        two_batch_overlap=two_batch_overlap and parallel.all_to_all,
         index_topk=model.attention.index_topk, indexer_flops_per_pair=model.indexer_flops_per_pair,
         indexer_bytes_per_token=indexer_bytes_per_token(kv_layout(model, plan.kv_dtype, attention_tp)))
 
@@ -204,6 +250,7 @@ class Capacity:
             "decode_step_s": self.decode_step_s,
             "gpu_hour_usd": self.gpu_hour_usd,
             "replicas": self.plan.parallel.replicas,
+            "layout": self.deployment.layout(),
             "decode_batch_per_replica": self.decode_batch,
             "parameters_source": self.parameters_source,
             "deployment": asdict(self.deployment),
@@ -247,7 +294,8 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = hardware.with_price(deployment.gpu_hour_usd)
     plan = _memory_plan(deployment, model, hardware)
     peaks = _peaks(deployment, hardware, measured.link_bytes_per_s if measured is not None else None)
-    return Costing(hardware, plan, peaks, params, fitted.source, model_costs(model, plan), fitted.uncertainty)
+    return Costing(hardware, plan, peaks, params, fitted.source, model_costs(model, plan, deployment.two_batch_overlap),
+                   fitted.uncertainty)
 
 
 def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPlan]:
@@ -256,14 +304,16 @@ def catalogue_costs(deployment: Deployment) -> tuple[ModelCosts, Peaks, MemoryPl
     model, hardware = get_model(deployment.model), get_hardware(deployment.hardware)
     planned_weight_scheme(model, deployment.weights, deployment.group_size)
     plan = _memory_plan(deployment, model, hardware)
-    return model_costs(model, plan), _peaks(deployment, hardware), plan
+    return model_costs(model, plan, deployment.two_batch_overlap), _peaks(deployment, hardware), plan
 
 
 def _peaks(deployment: Deployment, hardware: HardwareSpec, measured_link: float | None = None) -> Peaks:
-    """The hardware's peaks for the deployment's weights; a link only under tensor parallelism (a measured one
-    where a calibration has it)."""
-    link = None if deployment.parallel.tp == 1 else measured_link or hardware.link_bytes_per_s
-    return Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link)
+    """The hardware's peaks for the deployment's weights; a link only under tensor or expert parallelism (a measured
+    one where a calibration has it), a network only across nodes."""
+    parallel = deployment.parallel
+    link = None if parallel.tp == 1 and not parallel.all_to_all else measured_link or hardware.link_bytes_per_s
+    network = hardware.network_bytes_per_s if parallel.nodes > 1 else None
+    return Peaks(hardware.bandwidth_bytes_per_s, hardware.peak_flops(deployment.weights), link, network)
 
 
 def _memory_plan(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> MemoryPlan:
@@ -289,8 +339,10 @@ def evaluate(deployment: Deployment) -> Capacity:
     decode_step = costed.step(BatchShape.of([deployment.context] * batch, [], topk))
     single = costed.single_stream_step(deployment.context) if per_replica else 0.0
     decode = parallel.replicas * batch / decode_step if batch else 0.0
-    chunk = min(deployment.max_num_batched_tokens, plan.max_context_tokens)
-    prefill = parallel.replicas * chunk / costed.step(BatchShape.of([], [(chunk, chunk)], topk)) if chunk else 0.0
+    chunks = prefill_chunks(deployment.context, deployment.max_num_batched_tokens, plan.max_context_tokens,
+                            deployment.max_num_seqs)
+    new_tokens = sum(size for size, _ in chunks)
+    prefill = parallel.replicas * new_tokens / costed.step(BatchShape.of([], chunks, topk)) if chunks else 0.0
     dollars_per_s = deployment.gpus * hardware.gpu_hour_usd / HOURS
     cost = dollars_per_s / decode * 1e6 if decode else float("inf")
     return Capacity(deployment, plan, plan.max_concurrency(deployment.context), batch, decode,
@@ -298,6 +350,17 @@ def evaluate(deployment: Deployment) -> Capacity:
                     costed.step, costed.parts, notes,
                     None if per_replica else minimum_gpus(deployment, model, hardware), topk,
                     costed.params.request_overhead_s, costed.uncertainty)
+
+
+def prefill_chunks(context: int, batched_tokens: int, max_context: int, max_seqs: int) -> list[tuple[int, int]]:
+    """A prefill step at full budget: as many whole prompts of the context as the token budget (and max_num_seqs)
+    holds, or, for a prompt longer than the budget, its first chunk."""
+    prompt = min(context, max_context)
+    if prompt <= 0:
+        return []
+    if prompt >= batched_tokens:
+        return [(batched_tokens, batched_tokens)]
+    return [(prompt, prompt)] * min(batched_tokens // prompt, max_seqs)
 
 
 def deployment_uncertainty(deployment: Deployment) -> dict[str, float | None] | None:
@@ -321,11 +384,14 @@ def band(value: float, pct: float) -> tuple[float, float]:
 
 def minimum_gpus(deployment: Deployment, model: ModelSpec, hardware: HardwareSpec) -> int | None:
     """The fewest GPUs of the deployment's kind, in its layout (its TP group size, if it sets one; expert and
-    attention parallelism as it has them), whose memory holds the weights and one request of its context."""
+    attention parallelism as it has them; whole nodes beyond one), whose memory holds the weights and one request of
+    its context."""
     step = deployment.tensor_parallel or 1
     for gpus in range(step, MAX_GPUS_SEARCHED + 1, step):
-        parallel = Parallelism(gpus, deployment.tensor_parallel, deployment.expert_parallel,
-                               deployment.attention_data_parallel)
+        try:
+            parallel = replace(deployment, gpus=gpus).parallel
+        except PlannerError:                    # not a whole number of nodes
+            continue
         plan = plan_memory(model, hardware, parallel, deployment.weights, deployment.kv_dtype, deployment.group_size,
                            deployment.utilization, max_batched_tokens=deployment.max_num_batched_tokens,
                            max_seqs=deployment.max_num_seqs, draft_layers=deployment.draft_layers)
