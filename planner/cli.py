@@ -236,14 +236,28 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--model", required=True, help=f"{', '.join(model_names())}, or a path to a config.json")
     parser.add_argument("--hardware", required=True, help=", ".join(hardware_names()))
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpus", type=int, default=None, help="number of GPUs (or --nodes)")
+    parser.add_argument("--nodes", type=int, default=None, help="number of nodes of --gpus-per-node GPUs")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs an NVLink domain joins (default: the hardware catalogue's, 8 on HGX boards)")
     parser.add_argument("--context", type=int, default=8192, help="tokens per request (default 8192)")
     parser.add_argument("--gpu-hour-usd", type=float, default=None, help="price per GPU-hour (default: catalogue)")
     parser.add_argument("--group-size", type=int, default=128, help="INT4 group size: 32, 64 or 128")
-    parser.add_argument("--tp", type=int, default=None, help="tensor parallelism (default: all GPUs)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor parallelism (default: all GPUs of one node; beyond a node, a MoE model spreads "
+                             "wide: data-parallel attention, experts over all GPUs; a dense one runs a TP group a node)")
     parser.add_argument("--expert-parallel", action="store_true", help="spread routed experts over all GPUs")
     parser.add_argument("--attention-dp", action="store_true",
                         help="data-parallel attention: no KV replication of the MLA latent")
+    parser.add_argument("--dense-tp", type=int, default=None,
+                        help="with --attention-dp: the dense layers' tensor parallelism (SGLang's --moe-dense-tp-size; "
+                             "default the TP group, 1 when spread over nodes)")
+    parser.add_argument("--redundant-experts", type=int, default=0,
+                        help="EPLB: extra expert copies per MoE layer, dealt over the expert-parallel GPUs")
+    parser.add_argument("--two-batch-overlap", action="store_true",
+                        help="two micro-batches hide the experts' all-to-alls (SGLang, DeepSeek)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="new tokens one step of a replica takes (default 8192)")
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="largest decode batch per replica")
     parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
@@ -267,6 +281,10 @@ def _disaggregation_options(parser: argparse.ArgumentParser) -> None:
                         help="how KV pages cross between the pools (auto: NVLink within one 8-GPU node, else NICs)")
     parser.add_argument("--decode-max-num-seqs", type=int, default=None,
                         help="the decode pool's largest batch (default: --max-num-seqs)")
+    parser.add_argument("--prefill-nodes", type=int, default=None,
+                        help="nodes of each prefill instance (default: the --gpus/--nodes instance)")
+    parser.add_argument("--decode-nodes", type=int, default=None,
+                        help="nodes of each decode instance (default: the --gpus/--nodes instance)")
 
 
 def _disaggregated(args: argparse.Namespace, weights: str, kv: str):
@@ -275,7 +293,11 @@ def _disaggregated(args: argparse.Namespace, weights: str, kv: str):
     from planner.deployment.disaggregated import parse_pools, split_pools
 
     prefill, decode = parse_pools(args.disaggregate)
-    pools = split_pools(_deployment(args, weights, kv), prefill, decode, args.decode_max_num_seqs)
+    deployment = _deployment(args, weights, kv)
+    node = deployment.parallel.node_size
+    pools = split_pools(deployment, prefill, decode, args.decode_max_num_seqs,
+                        None if args.prefill_nodes is None else args.prefill_nodes * node,
+                        None if args.decode_nodes is None else args.decode_nodes * node)
     return replace(pools, link=args.handoff_link)
 
 
@@ -283,7 +305,7 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
     from planner.deployment.capacity import Deployment
     from planner.simulation.speculation import Speculation
 
-    return Deployment(model=args.model, hardware=args.hardware, gpus=args.gpus, weights=weights, kv_dtype=kv,
+    return Deployment(model=args.model, hardware=args.hardware, gpus=_gpus(args), weights=weights, kv_dtype=kv,
                       context=args.context, gpu_hour_usd=args.gpu_hour_usd, group_size=args.group_size,
                       tensor_parallel=args.tp, expert_parallel=args.expert_parallel,
                       attention_data_parallel=args.attention_dp, utilization=args.utilization,
@@ -291,7 +313,23 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
                       prefix_caching=args.prefix_caching,
                       speculation=None if args.speculative is None else Speculation.parse(args.speculative,
-                                                                                          args.acceptance))
+                                                                                          args.acceptance),
+                      gpus_per_node=args.gpus_per_node, redundant_experts=args.redundant_experts,
+                      dense_tensor_parallel=args.dense_tp, two_batch_overlap=args.two_batch_overlap,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    """--gpus, or --nodes of --gpus-per-node (the hardware's node by default)."""
+    from planner.catalog.hardware import get_hardware
+
+    if (args.gpus is None) == (args.nodes is None):
+        raise PlannerError("give the GPUs as --gpus N or --nodes N, one of them")
+    if args.gpus is not None:
+        return args.gpus
+    if not isinstance(args.nodes, int) or args.nodes <= 0:
+        raise PlannerError(f"--nodes must be a positive integer, got {args.nodes!r}")
+    return args.nodes * (args.gpus_per_node or get_hardware(args.hardware).gpus_per_node)
 
 
 def _pm(bars: dict[str, float | None], figure: str) -> str:
@@ -327,8 +365,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
         return
     plan = result.plan
     bars = summary["uncertainty_pct"] or {}
-    lines = [f"{args.model} on {args.gpus} x {args.hardware}, weights {args.weights}, KV {args.kv}, "
-             f"context {args.context} ({result.parameters_source})", "", "per GPU:"]
+    lines = [f"{args.model} on {result.deployment.gpus} x {args.hardware}, weights {args.weights}, KV {args.kv}, "
+             f"context {args.context} ({result.parameters_source})", f"layout: {result.deployment.layout()}", "",
+             "per GPU:"]
     lines += [f"  {name:22s} {_gib(value)}" for name, value in plan.breakdown().items()]
     lines += ["", f"  {'KV bytes per token':22s} {summary['kv_bytes_per_token_per_gpu']}",
               f"  {'KV capacity':22s} {summary['kv_capacity_tokens']} tokens",

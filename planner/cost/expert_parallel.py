@@ -14,9 +14,10 @@ microseconds of latency beyond the bytes (`A2A_NETWORK_EFFICIENCY`, `A2A_LATENCY
 The hottest GPU sets each layer's pace. Its load is the mean times `1 + z(G) sqrt(cv^2 + 1/m)`: z(G) the expected
 maximum of G standard normals, m the mean pairs a GPU receives (their count's own noise), cv the spread of the
 GPUs' loads. Real routing is skewed: experts differ in popularity with a coefficient of variation
-`EXPERT_LOAD_CV` (an assumption: with it the model gives EPLB's published gains, 1.49x prefill and 2.54x decode in
-SGLang's run, https://lmsys.org/blog/2025-05-05-large-scale-ep/, to the right order, see docs/planner.md); a GPU
-holding L experts spreads it to cv / sqrt(L). EPLB's redundant copies of the hot experts, placed to balance the GPUs,
+`EXPERT_LOAD_CV` (an assumption, set before any comparison: with it the model gives EPLB 1.47x in prefill and
+1.79x in decode on SGLang's DeepSeek pools, where the post measured "1.49x (prefill) and 2.54x (decode)",
+https://lmsys.org/blog/2025-05-05-large-scale-ep/; bench/wide_ep_published.py); a GPU holding L experts spreads it
+to cv / sqrt(L). EPLB's redundant copies of the hot experts, placed to balance the GPUs,
 leave `EPLB_RESIDUAL_CV` (its balancedness, mean over max load, about 0.9 at EP 72).
 
 Two-batch overlap splits a step into two micro-batches, one computing while the other's tokens travel. It does not

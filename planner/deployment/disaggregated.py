@@ -8,7 +8,7 @@ and over the GPUs' NICs otherwise, each GPU of a replica sending its own share.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.memory import handoff_bytes, kv_layout, with_draft_layers
@@ -21,7 +21,6 @@ from planner.simulation.disaggregated import DisaggregatedSimulation, HandoffLin
 from planner.simulation.simulator import SimulationResult
 from planner.simulation.workload import Workload
 
-NODE_GPUS = 8           # GPUs of one HGX node: pools within one node hand off over NVLink
 LINKS = ("auto", "nvlink", "network")
 
 
@@ -64,7 +63,7 @@ class DisaggregatedDeployment:
     def resolved_link(self) -> str:
         if self.link != "auto":
             return self.link
-        return "nvlink" if self.gpus <= NODE_GPUS else "network"
+        return "nvlink" if self.gpus <= self.decode.parallel.node_size else "network"
 
     @property
     def name(self) -> str:
@@ -135,20 +134,29 @@ def simulate_disaggregated(deployment: DisaggregatedDeployment, workload: Worklo
 
 
 def split_pools(deployment: Deployment, prefill_replicas: int, decode_replicas: int,
-                decode_max_num_seqs: int | None = None) -> DisaggregatedDeployment:
-    """xPyD from an aggregated deployment's engine instance (a TP group): `prefill_replicas` and `decode_replicas`
-    instances of it."""
-    instance_gpus = deployment.parallel.tp
+                decode_max_num_seqs: int | None = None, prefill_instance_gpus: int | None = None,
+                decode_instance_gpus: int | None = None) -> DisaggregatedDeployment:
+    """xPyD from an aggregated deployment's engine instance (a TP group, or a wide expert-parallel group over nodes):
+    `prefill_replicas` and `decode_replicas` instances of it, or of the pools' own instance sizes (SGLang's DeepSeek
+    run: a prefill instance of 4 nodes, a decode one of 9)."""
     for name, count in (("prefill", prefill_replicas), ("decode", decode_replicas)):
         if not isinstance(count, int) or count <= 0:
             raise PlannerError(f"the {name} replicas must be a positive integer, got {count!r}")
+    for name, gpus in (("prefill", prefill_instance_gpus), ("decode", decode_instance_gpus)):
+        if gpus is not None and (not isinstance(gpus, int) or gpus <= 0):
+            raise PlannerError(f"the {name} instance's GPUs must be a positive integer, got {gpus!r}")
 
-    def pool(replicas: int, **changes: Any) -> Deployment:
-        return Deployment(**{**deployment.__dict__, "gpus": replicas * instance_gpus, "tensor_parallel": instance_gpus,
-                             **changes})
+    def pool(replicas: int, instance_gpus: int | None, **changes: Any) -> Deployment:
+        instance = replace(deployment, gpus=instance_gpus) if instance_gpus else deployment
+        size = instance.parallel.tp
+        return replace(deployment, gpus=replicas * size, tensor_parallel=size,
+                       expert_parallel=instance.parallel.expert_parallel,
+                       attention_data_parallel=instance.parallel.attention_data_parallel,
+                       dense_tensor_parallel=instance.parallel.dense_tensor_parallel, **changes)
 
-    decode = pool(decode_replicas, **({"max_num_seqs": decode_max_num_seqs} if decode_max_num_seqs else {}))
-    return DisaggregatedDeployment(pool(prefill_replicas), decode)
+    decode = pool(decode_replicas, decode_instance_gpus,
+                  **({"max_num_seqs": decode_max_num_seqs} if decode_max_num_seqs else {}))
+    return DisaggregatedDeployment(pool(prefill_replicas, prefill_instance_gpus), decode)
 
 
 def parse_pools(text: str) -> tuple[int, int]:

@@ -1,0 +1,120 @@
+"""Wide expert parallelism across nodes: the layout, its memory, its all-to-alls and load imbalance, two-batch
+overlap, and the published per-node figures it must reproduce (issue 47)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from planner.benchmarks.wide_ep import compare_points, load_points
+from planner.catalog.models import get_model
+from planner.cost.expert_parallel import (
+    COMBINE_BYTES_PER_VALUE,
+    DISPATCH_BYTES_PER_VALUE,
+    EPLB_RESIDUAL_CV,
+    all_to_all_traffic,
+    rank_load_cv,
+)
+from planner.cost.memory_plan import Parallelism, component_bytes_per_gpu, planned_weight_scheme
+from planner.cost.step_model import BatchShape, StepParameters, step_terms
+from planner.deployment.capacity import Deployment, costing, evaluate
+from planner.errors import PlannerError
+
+ACCEPTANCE_PCT = 30.0
+
+
+def test_every_published_pool_is_predicted_within_30_percent():
+    rows = compare_points(load_points())
+    assert len(rows) == 6
+    for row in rows:
+        assert abs(row["error_pct"]) < ACCEPTANCE_PCT, row
+
+
+def test_one_node_moves_nothing_over_the_nics_and_decode_sends_every_pair_across():
+    one_node = all_to_all_traffic(7168, 8, 58, 8, 8)
+    per_copy = 58 * 7168 * (DISPATCH_BYTES_PER_VALUE + COMBINE_BYTES_PER_VALUE)
+    assert one_node.decode_network_bytes_per_token == one_node.prefill_network_bytes_per_token == 0
+    assert one_node.link_bytes_per_token == pytest.approx(8 * per_copy * 7 / 8)
+    wide = all_to_all_traffic(7168, 8, 58, 96, 8)
+    assert wide.calls_per_step == 116
+    assert wide.decode_network_bytes_per_token == pytest.approx(8 * per_copy * 88 / 96)
+    reached = 11 * (1 - (11 / 12) ** 8)         # other nodes a token's eight experts reach, of twelve
+    assert wide.prefill_network_bytes_per_token == pytest.approx(reached * per_copy)
+    assert wide.prefill_network_bytes_per_token < wide.decode_network_bytes_per_token
+    assert all_to_all_traffic(7168, 8, 58, 1, 8).calls_per_step == 0
+
+
+def test_no_tensor_parallel_group_spans_nodes():
+    with pytest.raises(PlannerError, match="tensor-parallel over 16 GPUs would span nodes of 8"):
+        Parallelism(16, 16, gpus_per_node=8)
+    with pytest.raises(PlannerError, match="12 GPUs are not a whole number of nodes of 8"):
+        Parallelism(12, 4, gpus_per_node=8)
+    with pytest.raises(PlannerError, match="redundant experts need expert parallelism"):
+        Parallelism(8, redundant_experts=8)
+    with pytest.raises(PlannerError, match="dense layers' tensor parallelism 3 must divide"):
+        Parallelism(16, 16, True, True, 8, dense_tensor_parallel=3)
+    wide = Parallelism(72, 72, True, True, 8, 32, 1)
+    assert (wide.nodes, wide.replicas, wide.expert_token_sources, wide.local_expert_slots(256)) == (9, 72, 72, 4)
+    assert wide.all_to_all and not Parallelism(8, 8, True).all_to_all
+
+
+def test_a_moe_model_beyond_a_node_spreads_wide_and_a_dense_one_runs_a_tp_group_a_node():
+    moe = Deployment("deepseek-v3", "h100-sxm", 96, weights="fp8").parallel
+    assert (moe.tp, moe.expert_parallel, moe.attention_data_parallel, moe.dense_tp) == (96, True, True, 1)
+    dense = Deployment("llama-3.1-70b", "h100-sxm", 32).parallel
+    assert (dense.tp, dense.dp, dense.nodes) == (8, 4, 4)
+    assert Deployment("deepseek-v3", "h200", 8).parallel.tp == 8          # one node: as before
+
+
+def test_redundant_experts_are_whole_experts_on_every_gpu():
+    model = get_model("deepseek-v3")
+    scheme = planned_weight_scheme(model, "fp8")
+    plain = component_bytes_per_gpu(model, scheme, Parallelism(72, 72, True, True, 8, 0, 1))
+    eplb = component_bytes_per_gpu(model, scheme, Parallelism(72, 72, True, True, 8, 32, 1))
+    one_expert = component_bytes_per_gpu(model, scheme, Parallelism(1))["routed_experts"] / 256
+    assert plain["routed_experts"] == pytest.approx(4 * one_expert, rel=1e-6)       # ceil(256 / 72)
+    assert eplb["routed_experts"] == plain["routed_experts"]                      # ceil(288 / 72) is 4 too
+    assert component_bytes_per_gpu(model, scheme, Parallelism(96, 96, True, True, 8, 32, 1))[
+        "routed_experts"] == pytest.approx(3 * one_expert, rel=1e-6)
+    assert plain["attention"] == component_bytes_per_gpu(model, scheme, Parallelism(1))["attention"]
+
+
+def test_eplb_lowers_the_hottest_gpus_load():
+    assert rank_load_cv(4, 32) == EPLB_RESIDUAL_CV < rank_load_cv(9, 0) < rank_load_cv(4, 0)
+    base = Deployment("deepseek-v3", "h100-sxm", 72, weights="fp8", kv_dtype="bf16", context=2000, max_num_seqs=256)
+    plain, eplb = (costing(deployment, get_model("deepseek-v3")).costs
+                   for deployment in (base, replace(base, redundant_experts=32)))
+    assert plain.expert_load_factor(256) > eplb.expert_load_factor(256) > 1.0
+    one_node = costing(Deployment("deepseek-v3", "h200", 8, weights="fp8", expert_parallel=True),
+                       get_model("deepseek-v3")).costs
+    assert one_node.all_to_all_calls_per_step == 0 and one_node.expert_load_factor(64) > 1.0   # EP, no all-to-all
+    assert costing(Deployment("llama-3.1-8b", "h100-sxm", 1), get_model("llama-3.1-8b")).costs.expert_load_factor(
+        64) == 1.0
+
+
+def test_two_batch_overlap_hides_its_share_of_the_shorter_and_streams_the_weights_twice():
+    base = Deployment("deepseek-v3", "h100-sxm", 72, weights="fp8", kv_dtype="bf16", context=2000, max_num_seqs=256,
+                      redundant_experts=32)
+    model = get_model("deepseek-v3")
+    batch = BatchShape.of([2000] * 256, [])
+    serial = costing(base, model).parts(batch)
+    overlapped_costing = costing(replace(base, two_batch_overlap=True), model)
+    overlapped = overlapped_costing.parts(batch)
+    params = StepParameters()
+    work = overlapped["memory"] + overlapped["compute"]
+    share = params.two_batch_overlap_share
+    assert overlapped["communication"] == pytest.approx(serial["communication"]
+                                                        - share * min(serial["communication"], work), rel=1e-9)
+    one_pass = costing(base, model).costs.weight_bytes_read(256)
+    assert overlapped_costing.costs.two_batch_overlap
+    assert step_terms(overlapped_costing.costs, batch).weight_bytes == pytest.approx(2 * one_pass)
+
+
+def test_wide_ep_answers_a_fleet_not_one_tp_group():
+    """The issue's example: DeepSeek-V3 on 96 H100s was one 96-way TP instance at 53 tokens/s a GPU."""
+    capacity = evaluate(Deployment("deepseek-v3", "h100-sxm", 96, weights="fp8", kv_dtype="bf16", context=2100,
+                                   redundant_experts=32, two_batch_overlap=True))
+    per_gpu = capacity.decode_tokens_per_s / 96
+    assert 1_000 < per_gpu < 6_000 and math.isfinite(capacity.cost_per_million_tokens)
+    assert "wide expert parallelism over 96 GPUs, 12 nodes of 8" in capacity.details()["layout"]
