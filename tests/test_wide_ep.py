@@ -118,3 +118,32 @@ def test_wide_ep_answers_a_fleet_not_one_tp_group():
     per_gpu = capacity.decode_tokens_per_s / 96
     assert 1_000 < per_gpu < 6_000 and math.isfinite(capacity.cost_per_million_tokens)
     assert "wide expert parallelism over 96 GPUs, 12 nodes of 8" in capacity.details()["layout"]
+
+
+def test_wide_deploy_commands_run_one_line_a_node_and_pools_pick_their_deepep_kernels():
+    from planner.deployment.commands import deploy_commands
+    from planner.deployment.disaggregated import split_pools
+
+    deployment = Deployment("deepseek-v3", "h100-sxm", 16, weights="fp8", kv_dtype="bf16", max_num_seqs=128,
+                            redundant_experts=32, two_batch_overlap=True)
+    commands = deploy_commands(deployment)
+    sglang = [line for line in commands["sglang"].splitlines() if not line.startswith("#")]
+    vllm = [line for line in commands["vllm"].splitlines() if not line.startswith("#")]
+    assert len(sglang) == len(vllm) == 2
+    for flag in ("--tp 16 --dp 16", "--enable-dp-attention", "--moe-a2a-backend deepep", "--deepep-mode auto",
+                 "--moe-dense-tp-size 1", "--ep-num-redundant-experts 32", "--enable-two-batch-overlap",
+                 "--max-running-requests 2048", "--nnodes 2"):
+        assert all(flag in line for line in sglang), flag
+    assert [line.split("--node-rank ")[1].split()[0] for line in sglang] == ["0", "1"]
+    for flag in ("--data-parallel-size 16", "--enable-expert-parallel", "--all2all-backend deepep_low_latency",
+                 "--data-parallel-size-local 8", "--enable-dbo", "--max-num-seqs 128"):
+        assert all(flag in line for line in vllm), flag
+    assert "--headless" not in vllm[0] and vllm[1].endswith("--data-parallel-start-rank 8 --headless")
+    pools = deploy_commands(split_pools(deployment, 1, 1, None, 32, 72))
+    lines = [line for line in pools["sglang"].splitlines() if not line.startswith("#")]
+    prefill = [line for line in lines if "--disaggregation-mode prefill" in line]
+    decode = [line for line in lines if "--disaggregation-mode decode" in line]
+    assert len(prefill) == 4 and len(decode) == 9 and lines[-1].startswith("python -m sglang_router")
+    assert all("--deepep-mode normal" in line and "HOST0:5000" in line for line in prefill)
+    assert all("--deepep-mode low_latency" in line and "HOST1:5000" in line for line in decode)
+    assert "deepep_high_throughput" in pools["vllm"] and "deepep_low_latency" in pools["vllm"]
