@@ -147,3 +147,28 @@ def test_wide_deploy_commands_run_one_line_a_node_and_pools_pick_their_deepep_ke
     assert all("--deepep-mode normal" in line and "HOST0:5000" in line for line in prefill)
     assert all("--deepep-mode low_latency" in line and "HOST1:5000" in line for line in decode)
     assert "deepep_high_throughput" in pools["vllm"] and "deepep_low_latency" in pools["vllm"]
+
+
+def test_search_beyond_a_node_tries_wide_candidates_and_simulates_one_rank_for_all():
+    from planner.deployment.simulate import simulation_setup
+    from planner.search.deployments import SearchSpace, Slo, run_search
+    from planner.simulation.workload import LengthDistribution, Workload
+
+    workload = Workload("poisson", 40, rate=1.0, prompt=LengthDistribution("lognormal", 800, sigma=0.5, maximum=2048),
+                        output=LengthDistribution("lognormal", 64, sigma=0.5, maximum=256), seed=2)
+    slo = Slo.parse("ttft_p99_s=5,tpot_p99_s=0.2")
+    space = SearchSpace("deepseek-v3", ("h100-sxm",), max_gpus=32, weights=("fp8",), kv_dtypes=("bf16",),
+                        max_num_seqs=(64,), chunk_budgets=(4096,))
+    found = run_search(space, workload, slo, executor="local", workers=1, bisections=1)
+    layouts = sorted((r.deployment.gpus, r.deployment.parallel.all_to_all) for r in found.ranked)
+    assert (16, True) in layouts and (32, True) in layouts
+    assert all(gpus <= 8 for gpus, wide in layouts if not wide)     # no TP group beyond a node
+    wide = next(r for r in found.ranked if r.deployment.gpus == 16)
+    assert "wide-ep 2 nodes eplb32 tbo" in wide.name()
+    # one rank with its share of a long run against all sixteen: alike but for the ranks' uneven tails
+    setup = simulation_setup(wide.deployment)
+    long_run = replace(workload, num_requests=200)
+    one = replace(setup, replicas=1).simulation().run(replace(long_run, rate=wide.rate / 16)).report()
+    whole = setup.simulation().run(replace(long_run, num_requests=16 * 200, rate=wide.rate)).report()
+    assert whole["completed"] == 3200
+    assert whole["output_tokens_per_s"] == pytest.approx(16 * one["output_tokens_per_s"], rel=0.15)

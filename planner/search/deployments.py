@@ -46,6 +46,8 @@ RATE_STEP = 1.5                 # the factor a rate search steps by from the ste
 MAX_RATE_RANGE = 11.0           # and how far from its starting rate it goes, at most
 RATE_BISECTIONS = 3
 NEAR_STEP = 1.2                 # ... and from a sibling's answer (`Task`): a narrower bracket, one bisection fewer
+WIDE_REDUNDANT_EXPERTS = 32     # EPLB's copies in wide candidates, as DeepSeek's and SGLang's deployments run
+RATE_KEYS = ("output_tokens_per_s", "throughput_tokens_per_s", "goodput_requests_per_s")
 
 
 # (prompt, output) lengths of the presets: lognormal around a median (sigma), clipped at a maximum
@@ -95,8 +97,14 @@ class SearchSpace:
             raise PlannerError(f"NVFP4 needs Blackwell's FP4 tensor cores; none of {', '.join(self.hardware)} has "
                                f"them (b200 has)")
 
-    def gpu_counts(self) -> list[int]:
-        return [2 ** i for i in range(self.max_gpus.bit_length()) if 2 ** i <= self.max_gpus]
+    def gpu_counts(self, node: int | None = None) -> list[int]:
+        """Powers of two up to `max_gpus` (and at most a node: no tensor-parallel group spans nodes)."""
+        limit = self.max_gpus if node is None else min(self.max_gpus, node)
+        return [2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit]
+
+    def wide_node_counts(self, node: int) -> list[int]:
+        """Nodes of a wide expert-parallel candidate: powers of two from two while they fit in `max_gpus`."""
+        return [2 ** i for i in range(1, (self.max_gpus // node).bit_length()) if 2 ** i * node <= self.max_gpus]
 
 
 def context_for(workload: Workload) -> int:
@@ -110,20 +118,26 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
     caching = space.prefix_caching or ((True, False) if workload.shares_prefixes else (True,))
     found = []
     for hardware in space.hardware:
-        nvfp4 = get_hardware(hardware).supports_nvfp4
-        for gpus in space.gpu_counts():
-            for expert_parallel in ((False, True) if model.is_moe and gpus > 1 else (False,)):
-                for weights in space.weights:
-                    for kv in space.kv_dtypes:
-                        if "nvfp4" in (weights, kv) and not nvfp4:
-                            continue        # a format this GPU does not have: not a configuration at all
-                        for seqs in space.max_num_seqs:
-                            for chunk in space.chunk_budgets:
-                                for cached in caching:
-                                    found.append(Deployment(space.model, hardware, gpus, weights, kv, context,
-                                                            tensor_parallel=gpus, expert_parallel=expert_parallel,
-                                                            max_num_seqs=seqs, max_num_batched_tokens=chunk,
-                                                            prefix_caching=cached))
+        spec = get_hardware(hardware)
+        layouts = [{"gpus": gpus, "tensor_parallel": gpus, "expert_parallel": expert_parallel}
+                   for gpus in space.gpu_counts(spec.gpus_per_node)
+                   for expert_parallel in ((False, True) if model.is_moe and gpus > 1 else (False,))]
+        if model.is_moe:           # beyond a node: wide expert parallelism as its published deployments run it
+            layouts += [{"gpus": nodes * spec.gpus_per_node, "expert_parallel": True, "attention_data_parallel": True,
+                         "redundant_experts": WIDE_REDUNDANT_EXPERTS, "two_batch_overlap": True}
+                        for nodes in space.wide_node_counts(spec.gpus_per_node)]
+        for layout in layouts:
+            for weights in space.weights:
+                for kv in space.kv_dtypes:
+                    if "nvfp4" in (weights, kv) and not spec.supports_nvfp4:
+                        continue        # a format this GPU does not have: not a configuration at all
+                    for seqs in space.max_num_seqs:
+                        for chunk in space.chunk_budgets:
+                            for cached in caching:
+                                found.append(Deployment(space.model, hardware, weights=weights, kv_dtype=kv,
+                                                        context=context, max_num_seqs=seqs,
+                                                        max_num_batched_tokens=chunk, prefix_caching=cached,
+                                                        **layout))
     if space.speculation is not None:
         found = [drafted for deployment in found for drafted in (deployment, replace(deployment,
                                                                                        speculation=space.speculation))]
@@ -187,16 +201,25 @@ def max_rate(deployment: Deployment, workload: Workload, slo: Slo, estimate: flo
     (while they miss) until a pass and a miss bracket the answer, then bisects that bracket `bisections` times:
     the rate found is within (step - 1) / 2**bisections of the answer, relatively (6% by default: as fine as a
     plan needs; 5 simulations where the estimate is within `step`). A rate is dropped as soon as its simulation
-    has settled a miss (`settled_miss`): overloaded runs, the longest, stop early."""
+    has settled a miss (`settled_miss`): overloaded runs, the longest, stop early.
+
+    A deployment over several nodes has up to hundreds of data-parallel ranks, as alike as the step model prices
+    them (each at the same load): one rank is simulated with its share of the traffic, all the workload's requests
+    on it, and its rates scaled by the ranks it stands for."""
     setup = (disaggregated_setup(deployment) if isinstance(deployment, DisaggregatedDeployment)
              else simulation_setup(deployment))       # once: only the rate changes
+    represented = 1
+    if not isinstance(deployment, DisaggregatedDeployment) and deployment.parallel.nodes > 1:
+        represented, setup = setup.replicas, replace(setup, replicas=1)      # one rank stands for all
 
     def passes(rate: float) -> dict[str, Any] | None:
-        at_rate = replace(workload, arrival="poisson", rate=rate)
+        at_rate = replace(workload, arrival="poisson", rate=rate / represented)
         requests = at_rate.requests()
         result = setup.simulation(record_steps=False, give_up=settled_miss(slo, requests)).run(requests)
         report = None if result.abandoned else result.report()
-        return report if report is not None and slo.met(report) else None
+        if report is None or not slo.met(report):
+            return None
+        return report | {key: report[key] * represented for key in RATE_KEYS if report.get(key) is not None}
 
     best = passes(estimate)
     low, high = (estimate, None) if best is not None else (None, estimate)
@@ -296,7 +319,11 @@ class Ranked:
         d = self.deployment
         if isinstance(d, DisaggregatedDeployment):
             return pools_label(d)
-        return (f"{d.gpus}x{d.hardware} tp{d.gpus}{' ep' if d.expert_parallel else ''} {d.weights}/kv {d.kv_dtype} "
+        parallel = d.parallel
+        layout = (f"wide-ep {parallel.nodes} nodes{f' eplb{parallel.redundant_experts}' if parallel.redundant_experts else ''}"
+                  f"{' tbo' if d.two_batch_overlap else ''}" if parallel.all_to_all
+                  else f"tp{parallel.tp}{' ep' if d.expert_parallel else ''}")
+        return (f"{d.gpus}x{d.hardware} {layout} {d.weights}/kv {d.kv_dtype} "
                 f"seqs {d.max_num_seqs} chunk {d.max_num_batched_tokens}{'' if d.prefix_caching else ' no-cache'}"
                 + (f" {d.speculation.method}:{d.speculation.num_draft_tokens}" if d.speculation else ""))
 
@@ -304,7 +331,8 @@ class Ranked:
         d = self.deployment
         pools = d.name if isinstance(d, DisaggregatedDeployment) else None
         return {"configuration": self.name(), "hardware": d.hardware, "gpus": d.gpus, "pools": pools,
-                "tensor_parallel": d.prefill.parallel.tp if pools else d.gpus,
+                "tensor_parallel": d.prefill.parallel.tp if pools else d.parallel.tp,
+                "nodes": (d.prefill.parallel.nodes + d.decode.parallel.nodes) if pools else d.parallel.nodes,
                 "expert_parallel": d.expert_parallel, "weights": d.weights, "kv_dtype": d.kv_dtype,
                 "max_num_seqs": d.max_num_seqs, "max_num_batched_tokens": d.max_num_batched_tokens,
                 "prefix_caching": d.prefix_caching, "prefix_cache_hit_rate": self.report.get("prefix_cache_hit_rate"),
