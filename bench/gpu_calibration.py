@@ -7,9 +7,14 @@ points are never fitted: they are the catalogue's held-out check, reported apart
 committed calibration (`planner/profiles/public-benchmarks.calibration.json`) that `planner plan`, `simulate`,
 `search` and the dashboard use by default on the GPU kinds it covers.
 
+Then one fit per serving engine family with enough points (`planner.benchmarks.engine_fit`: vLLM, SGLang,
+TensorRT-LLM; an older version joined only where it agrees with the newer one's fit), each written beside it
+(`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks), with its leave-one-model-out
+medians beside the every-engine fit's on the same points.
+
 Prints a table (measured, defaults, calibrated, cross-validated error per figure) and the medians; writes
 bench/results/gpu_calibration.json and a predicted-against-measured plot (bench/results/gpu_calibration.html).
-Runs in about 10-15 minutes on 2 cores (every point is replayed in the simulator a few times).
+Runs in about 20-30 minutes on 2 cores (every point is replayed in the simulator a few times, per fit).
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from planner.benchmarks.engine_fit import engine_calibrations
+from planner.benchmarks.engines import ENGINE_NAMES, engine_calibration
 from planner.benchmarks.fit import (
     PointSetup,
     calibrate_benchmarks,
@@ -116,6 +123,11 @@ def main() -> None:
     default_rows = with_defaults(setups)
     if not refused:
         Path(args.calibration_out).write_text(json.dumps(document, indent=1) + "\n")
+    engines = engine_calibrations(points, document, CATALOGUE_MAX_CV_PCT)
+    if args.calibration_out == str(PUBLIC_BENCHMARKS):
+        for engine, fitted in engines.items():
+            if fitted["document"] is not None:
+                engine_calibration(engine).write_text(json.dumps(fitted["document"], indent=1) + "\n")
     RESULTS.mkdir(exist_ok=True)
     figure(document, default_rows).write_html(RESULTS / "gpu_calibration.html", include_plotlyjs="cdn")
     defaults = {(row["point"], row["metric"]): row for row in default_rows}
@@ -132,6 +144,10 @@ def main() -> None:
                               "defaults_error_pct": defaults[(row["point"], row["metric"])]["error_pct"]}
                        for row in document["rows"] + document["held_out_rows"]],
               "cross_validated_rows": document["cross_validated_rows"],
+              "engines": {engine: {key: value for key, value in fitted.items() if key != "document"}
+                          | ({"points": fitted["document"]["num_points"], "models": fitted["document"]["models"],
+                              "parameters": fitted["document"]["parameters"]} if fitted["document"] else {})
+                          for engine, fitted in engines.items()},
               "wall_s": round(time.perf_counter() - started, 1)}
     (RESULTS / "gpu_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
@@ -139,8 +155,28 @@ def main() -> None:
         return
     lines = fit_report_lines(document)
     outcome = (f"REFUSED, not written: {refused}" if refused else f"calibration written to {args.calibration_out}")
-    print("\n".join(lines + summary_table(document, default_rows)
+    print("\n".join(lines + summary_table(document, default_rows) + engine_table(engines)
                     + [f"{outcome}; {time.perf_counter() - started:.0f} s"]), file=sys.stdout)
+
+
+def engine_table(engines: dict) -> list[str]:
+    """Each engine's leave-one-model-out medians beside the every-engine fit's on the same points."""
+    lines = ["", f"{'per engine, leave-one-model-out |error| %':44s} {'TPOT':>7s} {'ITL':>7s} {'TTFT':>7s} "
+                 f"{'tok/s':>7s}   (every engine's fit on the same points)"]
+    for engine, fitted in engines.items():
+        if fitted["document"] is None:
+            lines.append(f"{ENGINE_NAMES[engine]:44s} not fitted: {fitted['why']}")
+            continue
+        own, every = fitted["cross_validated_median_error_pct"], fitted["every_engine_cross_validated_median_error_pct"]
+        cells = " ".join("      -" if own.get(key) is None else f"{own[key]:7.1f}"
+                         for key in ("tpot", "itl", "ttft", "output_tokens_per_s"))
+        beside = " ".join("-" if every.get(key) is None else f"{every[key]:.1f}"
+                          for key in ("tpot", "itl", "ttft", "output_tokens_per_s"))
+        apart = "; kept apart: " + ", ".join(f"{item['version']} ({item['median_error_pct']}%)"
+                                            for item in fitted["kept_apart"]) if fitted["kept_apart"] else ""
+        lines.append(f"{ENGINE_NAMES[engine] + ' (' + str(fitted['document']['num_points']) + ' points)':44s} "
+                     f"{cells}   ({beside}){apart}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import EXIT_BAD_INPUT, OneLineParser
+from planner.benchmarks.engines import ENGINES, check_engine
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--max-num-seqs", default="64,256", help="comma-separated decode batch limits")
     search.add_argument("--chunks", default="2048,8192", help="comma-separated prefill chunk budgets (tokens)")
     search.add_argument("--target-rate", type=float, default=None, help="requests/s: the cheapest fleet for it")
+    _engine_option(search)
     search.add_argument("--top", type=int, default=3, help="deploy commands for this many of the best")
     search.add_argument("--ray", default=None, metavar="auto|local|ADDRESS",
                         help="simulate on Ray (local: start one here) instead of a local process pool")
@@ -270,7 +272,14 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", default=None, metavar="RATE[,RATE...]",
                         help="the chance a draft stands once the one before it stood, or one per position "
                              "(default for mtp: 0.875, the DeepSeek-V3 report's; ngram needs a measured one)")
+    _engine_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _engine_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", default=None, choices=ENGINES,
+                        help="the serving engine: its own fit to the public measurements prices the plan and its "
+                             "deploy command is printed (default: the fit over every engine, every engine's command)")
 
 
 def _disaggregation_options(parser: argparse.ArgumentParser) -> None:
@@ -316,7 +325,7 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                                                                                           args.acceptance),
                       gpus_per_node=args.gpus_per_node, redundant_experts=args.redundant_experts,
                       dense_tensor_parallel=args.dense_tp, two_batch_overlap=args.two_batch_overlap,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine)
 
 
 def _gpus(args: argparse.Namespace) -> int:
@@ -587,7 +596,8 @@ def cmd_search(args: argparse.Namespace) -> None:
                         _csv(args.kv) if args.kv else DEFAULT_KV, _csv(args.max_num_seqs, int), _csv(args.chunks, int),
                         explicit_formats=bool(args.weights or args.kv),
                         speculation=Speculation.parse(args.speculative, args.acceptance) if args.speculative else None,
-                        pool_ratios=parse_ratios(args.disaggregate) if args.disaggregate else ())
+                        pool_ratios=parse_ratios(args.disaggregate) if args.disaggregate else (),
+                        engine=check_engine(args.engine))
     cache = None if args.no_cache else ResultCache(Path(args.cache_dir) if args.cache_dir else DEFAULT_CACHE)
     workload = replace(preset_workload(args.workload, args.requests, args.seed,
                                        LengthDistribution.parse(args.prompt_tokens) if args.prompt_tokens else None,
@@ -621,7 +631,8 @@ def cmd_search(args: argparse.Namespace) -> None:
                      f"{row['usd_per_million_tokens']:9.4f}")
     for item in deploy:
         lines += ["", f"deploy {item['configuration']}:"]
-        lines += [f"  {line}" for engine_name in ("vllm", "sglang") for line in item[engine_name].splitlines()]
+        lines += [f"  {line}" for engine_name in ("vllm", "sglang", "trtllm") if engine_name in item
+                  for line in item[engine_name].splitlines()]
     if args.target_rate is not None:
         lines += ["", f"{args.target_rate:g} requests/s: " + (
             f"{fleet['replicas']} x [{fleet['configuration']}], {fleet['gpus']} GPUs, {fleet['usd_per_hour']} USD/h"

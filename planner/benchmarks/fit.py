@@ -36,7 +36,6 @@ from engine.core.step_shape import batch_shape
 from planner.benchmarks.formats import BenchmarkPoint
 from planner.calibration.parameters import BENCHMARKS_VERSION_PREFIX, CALIBRATION_VERSION
 from planner.calibration.profile_fit import BOUNDS, TERM_OF
-from planner.catalog.models import get_model
 from planner.cost.memory_plan import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_SEQS
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, StepTerms, combine, step_terms
 from planner.deployment.capacity import Deployment, catalogue_costs
@@ -437,9 +436,6 @@ def not_replayed(point: BenchmarkPoint) -> str | None:
     """Why the simulator cannot replay a point faithfully yet, if it cannot."""
     if point.speculative:
         return f"speculative decoding ({point.speculative}): the simulator decodes one token a step"
-    if point.attention_data_parallel and get_model(point.model).ffn.moe_layers:
-        return ("data-parallel attention with MoE: the simulator runs each attention rank as its own replica, but "
-                "their MoE layers run every rank's tokens together")
     return None
 
 
@@ -448,7 +444,9 @@ def calibrate_benchmarks(points: list[BenchmarkPoint], held_out: Iterable[str] =
                          rounds: int = ROUNDS, described_as: str = "benchmark points") -> dict[str, Any]:
     """The calibration document: fitted parameters, per-point errors, cross-validated errors and error bars, and
     the held-out models' errors. Points decoded speculatively are left out (listed): the simulator decodes one token
-    a step, and MoE points with data-parallel attention (`not_replayed`). PlannerError where the cross-validated median error of TPOT, ITL or output tokens/s (`THRESHOLDED`) is
+    a step (`not_replayed`). Data-parallel attention ranks run as replicas of their own, each step priced with every
+    rank's tokens at the experts. PlannerError where the cross-validated median error of TPOT, ITL or output
+    tokens/s (`THRESHOLDED`) is
     above `max_cv_median_pct`, or where a point contradicts its deployment."""
     held = set(held_out)
     skipped = [{"point": point.label or point.deployment_text, "why": why} for point in points

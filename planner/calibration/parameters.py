@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.step_shape import engine_version
+from planner.benchmarks.engines import ENGINE_NAMES, check_engine, engine_calibration
 from planner.catalog.hardware import HardwareSpec
 from planner.cost.step_model import (
     MeasuredLinears,
@@ -148,14 +149,15 @@ class DeploymentParameters:
 
 
 def step_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str, calibration: str | None = None,
-                    cuda_graphs: bool | None = None) -> DeploymentParameters:
+                    cuda_graphs: bool | None = None, engine: str | None = None) -> DeploymentParameters:
     """The step parameters of a deployment from the given calibration (which must match), else a committed one for
-    exactly this setup, else the committed fit to public benchmarks where it covers this GPU, else the defaults. What a
+    exactly this setup, else the committed fit to public benchmarks where it covers this GPU (the serving `engine`'s
+    own fit where one covers it, else the fit over every engine's points), else the defaults. What a
     profile did not measure comes from the catalogue: the collectives' latency where it ran on one device, the
     cost per kernel launched where it was not profiled at several depths (`HELD`). With CUDA graphs a step
     launches once: no cost per kernel, whatever an eager engine's profile measured."""
     graphs = hardware.cuda_graphs if cuda_graphs is None else cuda_graphs
-    fitted = _fitted_parameters(hardware, model, weights, kv_dtype, calibration)
+    fitted = _fitted_parameters(hardware, model, weights, kv_dtype, calibration, check_engine(engine))
     params = fitted.parameters
     if fitted.measured_peaks is None and not params.collective_latency_s:
         params = replace(params, collective_latency_s=hardware.collective_latency(graphs))
@@ -164,10 +166,15 @@ def step_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: 
     return replace(fitted, parameters=params)
 
 
-def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str,
-                       path: str | None) -> DeploymentParameters:
+def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtype: str, path: str | None,
+                       engine: str | None = None) -> DeploymentParameters:
+    fallback = ""
     if path is None:
-        found = committed_calibration(hardware.key, model, weights, kv_dtype) or _public_benchmarks(hardware.key)
+        found = committed_calibration(hardware.key, model, weights, kv_dtype)
+        if found is None and engine is not None:
+            found = _public_benchmarks(hardware.key, engine_calibration(engine))
+            fallback = "" if found else f"no {ENGINE_NAMES[engine]} fit covers {hardware.key}: every engine's; "
+        found = found or _public_benchmarks(hardware.key)
         path = str(found) if found else None
     if path is None:
         if hardware.calibrated:
@@ -184,12 +191,12 @@ def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtyp
         calibration.check_matches(engine_version=None if calibration.from_endpoint else engine_version(),
                                   weights=weights, kv_dtype=kv_dtype)
     peaks = calibration.peaks if hardware.calibrated else None
-    return DeploymentParameters(calibration.parameters, peaks, calibration.describe(Path(path).name),
+    return DeploymentParameters(calibration.parameters, peaks, fallback + calibration.describe(Path(path).name),
                                 calibration.uncertainty)
 
 
-def _public_benchmarks(hardware: str) -> Path | None:
-    """The committed fit to public measurements, where it covers this GPU kind."""
-    if not PUBLIC_BENCHMARKS.exists():
+def _public_benchmarks(hardware: str, path: Path = PUBLIC_BENCHMARKS) -> Path | None:
+    """A committed fit to public measurements (every engine's, or one engine's), where it covers this GPU kind."""
+    if not path.exists():
         return None
-    return PUBLIC_BENCHMARKS if hardware in load_calibration(PUBLIC_BENCHMARKS).hardware_kinds else None
+    return path if hardware in load_calibration(path).hardware_kinds else None

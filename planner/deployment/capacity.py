@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from engine.core.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.core.spec import ModelSpec
+from planner.benchmarks.engines import check_engine
 from planner.calibration.parameters import FIGURE_ERRORS, step_parameters
 from planner.catalog.hardware import HardwareSpec, get_hardware
 from planner.catalog.models import get_model
@@ -63,6 +64,7 @@ class Deployment:
     redundant_experts: int = 0              # EPLB's extra expert copies per MoE layer
     dense_tensor_parallel: int | None = None    # under data-parallel attention (SGLang's --moe-dense-tp-size)
     two_batch_overlap: bool = False         # two micro-batches hide the all-to-alls (SGLang, DeepSeek)
+    engine: str | None = None               # the serving engine whose fit prices it (None: every engine's fit)
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
@@ -71,6 +73,7 @@ class Deployment:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PlannerError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")
+        check_engine(self.engine)
 
     @property
     def draft_layers(self) -> int:
@@ -287,7 +290,7 @@ def costing(deployment: Deployment, model: ModelSpec) -> Costing:
     hardware = get_hardware(deployment.hardware)
     planned_weight_scheme(model, deployment.weights, deployment.group_size)
     fitted = step_parameters(hardware, deployment.model, deployment.weights, deployment.kv_dtype,
-                             deployment.calibration, deployment.cuda_graphs)
+                             deployment.calibration, deployment.cuda_graphs, deployment.engine)
     params, measured = fitted.parameters, fitted.measured_peaks
     if measured is not None:
         hardware = hardware.with_measured_peaks(measured.bandwidth_bytes_per_s, measured.flops_per_s)
@@ -366,7 +369,8 @@ def prefill_chunks(context: int, batched_tokens: int, max_context: int, max_seqs
 def deployment_uncertainty(deployment: Deployment) -> dict[str, float | None] | None:
     """The error bars of the deployment's calibration, by kind of figure (None: uncalibrated defaults)."""
     return step_parameters(get_hardware(deployment.hardware), deployment.model, deployment.weights,
-                           deployment.kv_dtype, deployment.calibration, deployment.cuda_graphs).uncertainty
+                           deployment.kv_dtype, deployment.calibration, deployment.cuda_graphs,
+                           deployment.engine).uncertainty
 
 
 def figure_uncertainty(uncertainty: dict[str, float | None] | None, figures: Iterable[str]) -> dict[str, float | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import replace
 
-from planner.catalog.models import repository
+from planner.catalog.models import get_model, repository
 from planner.deployment.capacity import Deployment
 from planner.deployment.disaggregated import DisaggregatedDeployment
 
@@ -25,10 +25,16 @@ def deploy_commands(deployment: Deployment | DisaggregatedDeployment, role: str 
     host its other nodes join)."""
     if isinstance(deployment, DisaggregatedDeployment):
         return {name: "\n".join(lines) for name, lines in pool_commands(deployment).items()}
-    d = deployment
+    commands = _engine_commands(deployment, role, leader)
+    return commands if deployment.engine is None else {deployment.engine: commands[deployment.engine]}
+
+
+def _engine_commands(d: Deployment, role: str | None, leader: str) -> dict[str, str]:
+    """Every engine's line for the deployment (`deploy_commands` keeps the chosen engine's)."""
+    commands = {"trtllm": trtllm_command(d, leader)}
     parallel = d.parallel
     if parallel.all_to_all:
-        return wide_expert_parallel_commands(d, role, leader)
+        return wide_expert_parallel_commands(d, role, leader) | commands
     model = repository(d.model)
     vllm = [f"vllm serve {model}", f"--tensor-parallel-size {parallel.tp}"]
     sglang = [f"python -m sglang.launch_server --model-path {model}", f"--tp {parallel.tp}"]
@@ -39,10 +45,39 @@ def deploy_commands(deployment: Deployment | DisaggregatedDeployment, role: str 
         vllm.append("--enable-expert-parallel")
         sglang.append(f"--ep-size {d.gpus}")
     vllm, sglang = _common_options(d, vllm, sglang)
-    commands = {"vllm": " ".join(vllm), "sglang": " ".join(sglang)}
+    commands |= {"vllm": " ".join(vllm), "sglang": " ".join(sglang)}
     if d.kv_dtype == "nvfp4":
         commands["vllm"] += "  # vLLM has no FP4 KV cache; in FP8 it holds 0.56x the tokens"
     return commands
+
+
+def trtllm_command(d: Deployment, leader: str = "HOST0") -> str:
+    """TensorRT-LLM's OpenAI server (PyTorch backend): its options file (attention DP, FP8 KV, the wide-EP MoE backend
+    with EPLB's slots across nodes) and `trtllm-serve`, under `mpirun` over the nodes' hosts beyond one node."""
+    parallel = d.parallel
+    model = repository(d.model)
+    options = []
+    if parallel.attention_data_parallel:
+        options.append("enable_attention_dp: true")
+    if d.kv_dtype in ("fp8", "nvfp4"):
+        options += ["kv_cache_config:", f"  dtype: {'fp8' if d.kv_dtype == 'fp8' else 'nvfp4'}"]
+    if parallel.all_to_all and parallel.nodes > 1:
+        options += ["moe_config:", "  backend: WIDEEP"]
+        if parallel.redundant_experts:
+            slots = get_model(d.model).ffn.num_experts + parallel.redundant_experts
+            options += ["  load_balancer:", f"    num_slots: {slots}"]
+    serve = (f"trtllm-serve {model} --backend pytorch --tp_size {parallel.tp} "
+             f"--ep_size {parallel.expert_ranks if d.expert_parallel else 1} --max_batch_size {d.max_num_seqs} "
+             f"--max_num_tokens {d.max_num_batched_tokens} --max_seq_len {d.context} "
+             f"--kv_cache_free_gpu_memory_fraction {d.utilization}")
+    if options:
+        serve += " --extra_llm_api_options extra.yaml"
+    if parallel.nodes > 1:
+        hosts = ",".join([leader] + [f"{leader}_{node}" for node in range(1, parallel.nodes)])
+        serve = f"mpirun -H {hosts} -n {d.gpus} trtllm-llmapi-launch {serve}"
+    if not options:
+        return serve
+    return "cat > extra.yaml <<'EOF'\n" + "\n".join(options) + "\nEOF\n" + serve
 
 
 def _common_options(d: Deployment, vllm: list[str], sglang: list[str],

@@ -82,6 +82,7 @@ class SearchSpace:
     prefix_caching: tuple[bool, ...] | None = None     # None: with and without where prompts share prefixes
     speculation: Speculation | None = None      # tried beside plain decoding on every candidate
     pool_ratios: tuple[tuple[int, int], ...] = ()   # disaggregated xPyD pools tried beside every candidate
+    engine: str | None = None           # the serving engine whose fit prices every candidate (None: every engine's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_gpus, int) or self.max_gpus <= 0:
@@ -137,7 +138,7 @@ def candidates(space: SearchSpace, workload: Workload) -> list[Deployment]:
                                 found.append(Deployment(space.model, hardware, weights=weights, kv_dtype=kv,
                                                         context=context, max_num_seqs=seqs,
                                                         max_num_batched_tokens=chunk, prefix_caching=cached,
-                                                        **layout))
+                                                        engine=space.engine, **layout))
     if space.speculation is not None:
         found = [drafted for deployment in found for drafted in (deployment, replace(deployment,
                                                                                        speculation=space.speculation))]

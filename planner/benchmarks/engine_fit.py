@@ -1,0 +1,85 @@
+"""One calibration per serving engine (`planner.benchmarks.engines`): each family's points fitted on their own, an
+older version's points joined only where they agree with the newer ones' fit, leave-one-model-out within the family,
+and beside each figure what the fit over every engine says of the same points."""
+from __future__ import annotations
+
+from typing import Any
+
+from planner.benchmarks.engines import (
+    ENGINES,
+    MIN_ENGINE_POINTS,
+    VERSION_AGREEMENT_PCT,
+    engine_family,
+    version_groups,
+)
+from planner.benchmarks.fit import (
+    PointSetup,
+    calibrate_benchmarks,
+    error_rows,
+    fit_points,
+    median_errors,
+    not_replayed,
+    predictions,
+)
+from planner.benchmarks.formats import HELD_OUT_FAMILIES, BenchmarkPoint
+from planner.errors import PlannerError
+
+
+def fittable(points: list[BenchmarkPoint]) -> list[BenchmarkPoint]:
+    return [point for point in points if not point.held_out and not not_replayed(point)]
+
+
+def agreeing_versions(points: list[BenchmarkPoint]) -> tuple[list[BenchmarkPoint], list[dict[str, Any]]]:
+    """The current version's points, with each older version's that its fit predicts within VERSION_AGREEMENT_PCT
+    (median |error|); the others kept apart, with their error."""
+    current, older = version_groups(points)
+    if not older:
+        return current, []
+    params, _ = fit_points([PointSetup.of(point) for point in current])
+    kept, apart = list(current), []
+    for version, group in older.items():
+        setups = [PointSetup.of(point) for point in group]
+        error = median_errors(error_rows(setups, predictions(setups, params), "version_check"))["all"]
+        verdict = {"version": ".".join(map(str, version)), "points": len(group), "median_error_pct": error}
+        if error is not None and error <= VERSION_AGREEMENT_PCT:
+            kept += group
+        else:
+            apart.append(verdict)
+    return kept, apart
+
+
+def same_points(rows: list[dict[str, Any]], labels: set[str]) -> dict[str, float | None]:
+    return median_errors([row for row in rows if row["point"] in labels])
+
+
+def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, Any],
+                        max_cv_median_pct: float) -> dict[str, dict[str, Any]]:
+    """Per engine family: its calibration document (None where too few points or models), what was kept apart, and
+    its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points."""
+    found: dict[str, dict[str, Any]] = {}
+    for engine in ENGINES:
+        family = [point for point in points if engine_family(point.engine) == engine]
+        fitted = fittable(family)
+        models = {point.model for point in fitted}
+        if len(fitted) < MIN_ENGINE_POINTS or len(models) < 2:
+            found[engine] = {"document": None, "why": f"{len(fitted)} points of {len(models)} models: fewer than "
+                                                      f"{MIN_ENGINE_POINTS} of two models"}
+            continue
+        kept, apart = agreeing_versions(fitted)
+        kept_labels = {point.label for point in kept}
+        apart_labels = {point.label for point in fitted if point.label not in kept_labels}
+        family_points = [point for point in family if point.label not in apart_labels]
+        try:
+            document = calibrate_benchmarks(family_points, held_out=HELD_OUT_FAMILIES,
+                                            max_cv_median_pct=max_cv_median_pct,
+                                            described_as=f"public {engine} measurements")
+        except PlannerError as error:
+            found[engine] = {"document": None, "why": str(error), "kept_apart": apart}
+            continue
+        labels = {row["point"] for row in document["cross_validated_rows"]}
+        found[engine] = {"document": document, "kept_apart": apart,
+                         "cross_validated_median_error_pct": document["cross_validated_median_error_pct"],
+                         "every_engine_cross_validated_median_error_pct": same_points(
+                             every_engine["cross_validated_rows"], labels),
+                         "held_out_median_error_pct": document["held_out_median_error_pct"]}
+    return found

@@ -1,0 +1,57 @@
+"""Serving engines as the calibrations tell them apart: the families fitted on their own (vLLM, SGLang, TensorRT-LLM),
+their versions, and where each family's fit to the public measurements lives.
+
+The same deployment measures up to 2x apart between engines and versions (the catalogue's TensorRT-LLM 0.21 rows
+against SGLang's, vLLM 0.7 against SGLang 0.5), so each family gets its own step parameters over the shared physics
+(the catalogue's peaks); NVIDIA's aiconfigurator keeps one performance database per backend and version for the same
+reason. Within a family, points of an older minor version are fitted with the newer ones only where they agree
+with them (`bench/gpu_calibration.py`): otherwise they are kept apart, not averaged.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from planner.errors import PlannerError
+from planner.files import PROFILES
+
+ENGINES = ("vllm", "sglang", "trtllm")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM", "other": "other engines"}
+MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
+VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
+
+
+def check_engine(engine: str | None) -> str | None:
+    """None (every engine's fit) or one family, else a one-line error naming it."""
+    if engine is not None and engine not in ENGINES:
+        raise PlannerError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    return engine
+
+
+def engine_family(engine: str) -> str:
+    """A point's engine as a family fitted on its own, or `other` (NIM and the unnamed)."""
+    return engine if engine in ENGINES else "other"
+
+
+def minor_version(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a release name (`0.21.0rc2`, `v1.2.0rc1`, `0.5.13.post1`); None for a commit or nothing."""
+    found = re.match(r"v?(\d+)\.(\d+)", version.strip())
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def engine_calibration(engine: str) -> Path:
+    """Where a family's fit to the public measurements is committed."""
+    return PROFILES / f"public-benchmarks-{engine}.calibration.json"
+
+
+def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
+    """A family's points split into the current group (the newest minor version named, with the points whose version
+    is not named) and each older minor version's points, newest first."""
+    versions = [(point, minor_version(point.engine_version)) for point in points]
+    newest = max((version for _, version in versions if version is not None), default=None)
+    current = [point for point, version in versions if version is None or version == newest]
+    older: dict[tuple[int, int], list] = {}
+    for point, version in versions:
+        if version is not None and version != newest:
+            older.setdefault(version, []).append(point)
+    return current, dict(sorted(older.items(), reverse=True))

@@ -1,0 +1,81 @@
+"""Calibrations per serving engine: the families, their versions, which fit a deployment gets, and the deploy command
+of the engine chosen (issue 47)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from planner.benchmarks.engines import check_engine, engine_family, minor_version, version_groups
+from planner.calibration import parameters
+from planner.calibration.parameters import PUBLIC_BENCHMARKS
+from planner.deployment.capacity import Deployment, evaluate
+from planner.deployment.commands import deploy_commands
+from planner.errors import PlannerError
+
+
+@dataclass(frozen=True)
+class Versioned:
+    label: str
+    engine_version: str
+
+
+@pytest.mark.parametrize(("text", "version"), [("0.21.0rc2", (0, 21)), ("v1.2.0rc1", (1, 2)),
+                                               ("0.5.13.post1", (0, 5)), ("commit b626186", None), ("", None)])
+def test_minor_versions(text, version):
+    assert minor_version(text) == version
+
+
+def test_families_and_bad_engines():
+    assert [engine_family(name) for name in ("vllm", "sglang", "trtllm", "other", "")] == [
+        "vllm", "sglang", "trtllm", "other", "other"]
+    assert check_engine(None) is None and check_engine("sglang") == "sglang"
+    with pytest.raises(PlannerError, match="unknown engine 'tgi'"):
+        check_engine("tgi")
+    with pytest.raises(PlannerError, match="unknown engine 'tgi'"):
+        Deployment("llama-3.1-8b", "h100-sxm", 1, engine="tgi")
+
+
+def test_older_minor_versions_stand_apart_and_unnamed_ones_join_the_newest():
+    points = [Versioned("a", "v1.2.0rc1"), Versioned("b", ""), Versioned("c", "0.21.0rc2"),
+              Versioned("d", "commit x"), Versioned("e", "0.20.0"), Versioned("f", "0.21.1")]
+    current, older = version_groups(points)
+    assert [p.label for p in current] == ["a", "b", "d"]
+    assert {version: [p.label for p in group] for version, group in older.items()} == {(0, 21): ["c", "f"],
+                                                                                      (0, 20): ["e"]}
+    assert list(older) == [(0, 21), (0, 20)]
+
+
+def test_an_engine_gets_its_own_fit_where_one_covers_the_gpu_and_says_so_where_none_does(tmp_path, monkeypatch):
+    deployment = Deployment("llama-3.1-8b", "h100-sxm", 1, engine="sglang")
+    missing = tmp_path / "missing.json"
+    monkeypatch.setattr(parameters, "engine_calibration", lambda engine: missing)
+    fallback = evaluate(deployment)
+    assert fallback.parameters_source.startswith("no SGLang fit covers h100-sxm: every engine's; calibrated on")
+    own = tmp_path / "public-benchmarks-sglang.calibration.json"
+    document = json.loads(PUBLIC_BENCHMARKS.read_text())
+    document["parameters"]["step_overhead_s"] *= 3                  # an engine with a slower scheduler
+    document["described_as"] = "public sglang measurements"
+    own.write_text(json.dumps(document))
+    monkeypatch.setattr(parameters, "engine_calibration", lambda engine: own)
+    chosen = evaluate(deployment)
+    assert "public sglang measurements" in chosen.parameters_source and own.name in chosen.parameters_source
+    assert chosen.decode_step_s > fallback.decode_step_s
+    assert evaluate(Deployment("llama-3.1-8b", "h100-sxm", 1)).decode_step_s == pytest.approx(fallback.decode_step_s)
+
+
+def test_the_engine_chosen_gets_its_command_alone():
+    base = Deployment("qwen3-235b-a22b", "h200", 8, weights="fp8", kv_dtype="fp8", expert_parallel=True,
+                      attention_data_parallel=True, max_num_seqs=128)
+    assert set(deploy_commands(base)) == {"vllm", "sglang", "trtllm"}
+    trtllm = deploy_commands(Deployment(**{**base.__dict__, "engine": "trtllm"}))
+    assert set(trtllm) == {"trtllm"}
+    text = trtllm["trtllm"]
+    for piece in ("enable_attention_dp: true", "dtype: fp8", "trtllm-serve Qwen/", "--tp_size 8 --ep_size 8",
+                  "--max_batch_size 128", "--extra_llm_api_options extra.yaml"):
+        assert piece in text, piece
+    wide = deploy_commands(Deployment("deepseek-v3", "h100-sxm", 16, weights="fp8", redundant_experts=32,
+                                      engine="trtllm"))["trtllm"]
+    assert "backend: WIDEEP" in wide and "num_slots: 288" in wide and "mpirun -H HOST0,HOST0_1 -n 16" in wide
+    assert set(deploy_commands(Deployment(**{**base.__dict__, "engine": "vllm"}))) == {"vllm"}
