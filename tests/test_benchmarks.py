@@ -231,3 +231,32 @@ def test_committed_public_calibration_is_the_default_with_error_bars():
     assert uncalibrated.summary()["uncertainty_pct"] is None
     assert not [key for key in uncalibrated.summary() if key.endswith(("_low", "_high"))]
     assert "no error bar" in uncalibrated.parameters_source
+
+
+def test_range_ratios_llmperf_latency_and_engine_defaults(tmp_path):
+    """Lengths drawn over [ratio x L, L] (the nominal from a run's totals), LLMPerf's per-request E2E / output tokens
+    predicted as such, and the engine's own batch limits where the row states none."""
+    from planner.benchmarks.fit import point_workload
+
+    path = tmp_path / "points.csv"
+    path.write_text("model,hardware,gpus,weights,kv_dtype,input_tokens,output_tokens,total_input_tokens,"
+                    "total_output_tokens,num_prompts,concurrency,itl_ms,itl_stat,engine,length_range_ratio,source\n"
+                    "qwen3-8b,h100-sxm,1,bf16,bf16,1000,200,,,,4,9.0,llmperf,trtllm,,https://example.org/a\n"
+                    "qwen3-8b,h100-sxm,1,bf16,bf16,,,25000,5000,50,4,9.0,median,sglang,0.0,https://example.org/b\n"
+                    "qwen3-8b,h100-sxm,1,bf16,bf16,1000,200,,,,4,9.0,mean,vllm,0.8,https://example.org/c\n")
+    llmperf, sglang, vllm = read_benchmarks([path])
+    assert llmperf.measurements == (Measurement("itl", 0.009, "llmperf"),)
+    assert (sglang.input_tokens, sglang.output_tokens) == (1000, 200)       # twice the means: uniform over [1, L]
+    prompt = point_workload(vllm).prompt
+    assert (prompt.kind, prompt.low, prompt.high) == ("uniform", 800, 1000)
+    assert point_workload(llmperf).prompt.kind == "fixed"
+    assert [(point_deployment(p).max_num_seqs, point_deployment(p).max_num_batched_tokens)
+            for p in (llmperf, sglang, vllm)] == [(2048, 8192), (2048, 8192), (1024, 8192)]
+    setup = PointSetup.of(llmperf)
+    params = replace(initial_parameters(), request_overhead_s=0.05)
+    per_token = replay(setup, params).predict(params)["itl"]
+    plain = replace(llmperf, measurements=(Measurement("itl", 0.009, "median"),))
+    median_gap = replay(PointSetup.of(plain), params).predict(params)["itl"]
+    assert per_token > median_gap * 1.01            # the TTFT spread over the output tokens raises it
+    with pytest.raises(PlannerError, match="ttft is given as 'llmperf'"):
+        Measurement("ttft", 0.1, "llmperf")

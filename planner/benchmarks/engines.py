@@ -55,3 +55,21 @@ def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
         if version is not None and version != newest:
             older.setdefault(version, []).append(point)
     return current, dict(sorted(older.items(), reverse=True))
+
+
+def default_limits(engine: str, memory_gib: float, attention_ranks: int = 1) -> tuple[int, int] | None:
+    """The batch limit and tokens per step an engine's server takes when a run does not set them, per replica (a
+    data-parallel attention rank); None for an engine whose defaults are not known (NIM).
+
+    vLLM's API server (vllm/engine/arg_utils.py, `EngineArgs._set_default_args`, 0.11.0): 1024 sequences and 8192
+    batched tokens on GPUs of 70 GiB or more (A100 aside), 256 and 2048 below. SGLang (python/sglang/srt/server_args.py,
+    0.5.12): a chunked-prefill size of 8192 below 160 GiB and 16384 above, divided over data-parallel attention ranks;
+    running requests from the KV pool, at least 2048 a rank. trtllm-serve: max_batch_size 2048, max_num_tokens 8192
+    (its BuildConfig defaults)."""
+    if engine == "vllm":
+        return (1024, 8192) if memory_gib >= 70 else (256, 2048)
+    if engine == "sglang":
+        return 2048, (8192 if memory_gib < 160 else 16384) // max(1, attention_ranks)
+    if engine == "trtllm":
+        return 2048, 8192
+    return None

@@ -31,11 +31,14 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from engine.core.config import SchedulerConfig
+from engine.core.memory import GIB
 from engine.core.scheduler import SchedulerOutput
 from engine.core.step_shape import batch_shape
-from planner.benchmarks.formats import BenchmarkPoint
+from planner.benchmarks.engines import default_limits, engine_family
+from planner.benchmarks.formats import LLMPERF, BenchmarkPoint
 from planner.calibration.parameters import BENCHMARKS_VERSION_PREFIX, CALIBRATION_VERSION
 from planner.calibration.profile_fit import BOUNDS, TERM_OF
+from planner.catalog.hardware import get_hardware
 from planner.cost.memory_plan import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_SEQS
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, StepTerms, combine, step_terms
 from planner.deployment.capacity import Deployment, catalogue_costs
@@ -103,19 +106,24 @@ class StepRecorder(ModelStepTime):
 
 
 def point_deployment(point: BenchmarkPoint) -> Deployment:
-    """The deployment a point ran on, with the limits its source states, else the serving engines' usual ones (a
-    batch of at least its concurrency, 8192 tokens a step)."""
+    """The deployment a point ran on, with the limits its source states, else its engine's defaults
+    (`planner.benchmarks.engines.default_limits`), else a batch of at least its concurrency and 8192 tokens a step."""
+    ranks = point.gpus if point.attention_data_parallel else 1
+    memory_gib = get_hardware(point.hardware).memory_bytes / GIB
+    seqs, tokens = (default_limits(engine_family(point.engine), memory_gib, ranks)
+                    or (max(DEFAULT_MAX_SEQS, point.concurrency or 0), DEFAULT_BATCHED_TOKENS))
     return Deployment(model=point.model, hardware=point.hardware, gpus=point.gpus, weights=point.weights,
                       kv_dtype=point.kv_dtype, tensor_parallel=point.tensor_parallel,
                       expert_parallel=point.expert_parallel, attention_data_parallel=point.attention_data_parallel,
-                      max_num_seqs=point.max_num_seqs or max(DEFAULT_MAX_SEQS, point.concurrency or 0),
-                      max_num_batched_tokens=point.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS)
+                      max_num_seqs=point.max_num_seqs or seqs,
+                      max_num_batched_tokens=point.max_num_batched_tokens or tokens)
 
 
 def point_workload(point: BenchmarkPoint, seed: int = 0) -> Workload:
-    """The point's load: its concurrency as a closed loop of users without think time, or Poisson at its rate."""
-    lengths = {"prompt": LengthDistribution("fixed", point.input_tokens),
-               "output": LengthDistribution("fixed", point.output_tokens)}
+    """The point's load: its concurrency as a closed loop of users without think time, or Poisson at its rate; its
+    lengths fixed, or uniform over [ratio x L, L] where the benchmark client drew them so."""
+    lengths = {"prompt": point_lengths(point.input_tokens, point.length_range_ratio),
+               "output": point_lengths(point.output_tokens, point.length_range_ratio)}
     if point.concurrency is not None:
         requests = max(min(CLOSED_LOOP_WAVES * point.concurrency, MAX_CLOSED_REQUESTS), point.concurrency,
                        MIN_CLOSED_REQUESTS)
@@ -124,6 +132,12 @@ def point_workload(point: BenchmarkPoint, seed: int = 0) -> Workload:
         return Workload(arrival="closed", num_requests=requests, users=point.concurrency, seed=seed, **lengths)
     requests = min(point.num_prompts or OPEN_LOOP_REQUESTS, OPEN_LOOP_REQUESTS)
     return Workload(arrival="poisson", num_requests=requests, rate=point.request_rate, seed=seed, **lengths)
+
+
+def point_lengths(nominal: int, ratio: float | None) -> LengthDistribution:
+    if ratio is None or math.ceil(ratio * nominal) >= nominal:
+        return LengthDistribution("fixed", nominal)
+    return LengthDistribution("uniform", low=max(1, math.ceil(ratio * nominal)), high=nominal)
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,9 @@ class Replay:
                 predicted[metric] = _statistic(ttft, statistic)
             elif metric == "tpot":
                 predicted[metric] = _statistic(tpot, statistic) if tpot.size else float(np.median(seconds))
+            elif metric == "itl" and statistic == LLMPERF:
+                e2e = ttft + cumulative[self.last_token + 1] - cumulative[self.first_token + 1]
+                predicted[metric] = float(np.median(e2e / np.maximum(self.output_tokens, 1)))
             elif metric == "itl":
                 predicted[metric] = _weighted(seconds, decoding, statistic)
             else:

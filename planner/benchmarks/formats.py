@@ -29,12 +29,14 @@ from planner.errors import PlannerError
 
 METRICS = ("tpot", "itl", "ttft", "output_tokens_per_s")
 STATISTICS = ("median", "mean")
+# LLMPerf's "inter-token latency": each request's (TTFT + its gaps) / its output tokens, then median over requests
+LLMPERF = "llmperf"
 CSV_COLUMNS = ("published_model", "model", "hardware", "gpus", "tensor_parallel", "expert_parallel",
                "attention_data_parallel", "max_num_seqs", "max_num_batched_tokens", "weights",
                "kv_dtype", "input_tokens", "output_tokens", "total_input_tokens", "total_output_tokens", "concurrency",
                "request_rate", "num_prompts", "speculative", "tpot_ms",
                "tpot_stat", "itl_ms", "itl_stat", "ttft_ms", "ttft_stat", "output_tokens_per_s", "engine",
-               "engine_version", "date", "source", "quote")
+               "engine_version", "date", "source", "quote", "length_range_ratio", "settings_source", "inferred")
 HELD_OUT_FAMILIES = ("kimi-k2.6", "glm-5.2")    # the catalogue's own check: never in a committed fit
 
 
@@ -52,7 +54,8 @@ class Measurement:
             raise PlannerError(f"unknown measured metric {self.metric!r} (choose from {', '.join(METRICS)})")
         if not (isinstance(self.value, (int, float)) and math.isfinite(self.value) and self.value > 0):
             raise PlannerError(f"measured {self.metric} must be a positive number, got {self.value!r}")
-        expected = ("total",) if self.metric == "output_tokens_per_s" else STATISTICS
+        expected = (("total",) if self.metric == "output_tokens_per_s" else
+                    (*STATISTICS, LLMPERF) if self.metric == "itl" else STATISTICS)
         if self.statistic not in expected:
             raise PlannerError(f"{self.metric} is given as {self.statistic!r}; it must be one of {', '.join(expected)}")
 
@@ -98,6 +101,9 @@ class BenchmarkPoint:
     quote: str = ""
     published_model: str = ""
     speculative: str = ""                   # a draft method it decoded with (mtp, eagle, ngram): not replayed yet
+    # lengths drawn uniformly from [ratio x L, L] of the nominal L in input_tokens / output_tokens, as benchmark
+    # clients' --random-range-ratio does (None: every request of those lengths)
+    length_range_ratio: float | None = None
     label: str = field(default="", compare=False)     # where in its file: "name.csv:12", "run.jsonl:2"
 
     def __post_init__(self) -> None:
@@ -114,6 +120,8 @@ class BenchmarkPoint:
             raise PlannerError(f"{where}: the request rate must be a positive finite number, got {self.request_rate!r}")
         if not self.measurements:
             raise PlannerError(f"{where}: no TPOT, ITL, TTFT or output throughput measured")
+        if self.length_range_ratio is not None and not 0 <= self.length_range_ratio <= 1:
+            raise PlannerError(f"{where}: the length range ratio must be in [0, 1], got {self.length_range_ratio!r}")
 
     @property
     def held_out(self) -> bool:
@@ -375,11 +383,15 @@ def _csv_point(row: dict[str, str], where: str, defaults: PointDefaults) -> Benc
                ("expert_parallel", _flag))}
     limits = {name: _csv_value(row, name, int, where) for name in ("max_num_seqs", "max_num_batched_tokens")}
     prompts = _csv_value(row, "num_prompts", int, where)
+    ratio = _csv_value(row, "length_range_ratio", float, where)
     lengths = {}
     for side in ("input", "output"):
         total = _csv_value(row, f"total_{side}_tokens", int, where)
-        lengths[side] = (round(total / prompts) if total and prompts else
-                         _csv_value(row, f"{side}_tokens", int, where) or 0)
+        if total and prompts:           # a run's totals: the mean, whose nominal is 2 / (1 + ratio) of it
+            mean = total / prompts
+            lengths[side] = round(mean if ratio is None else 2 * mean / (1 + ratio))
+        else:
+            lengths[side] = _csv_value(row, f"{side}_tokens", int, where) or 0
     concurrency = _csv_value(row, "concurrency", int, where)
     rate = _csv_value(row, "request_rate", float, where)
     if rate == math.inf and concurrency is None and prompts:
@@ -390,5 +402,6 @@ def _csv_point(row: dict[str, str], where: str, defaults: PointDefaults) -> Benc
         **_deployment(defaults, where, **stated), input_tokens=lengths["input"], output_tokens=lengths["output"],
         measurements=tuple(found), concurrency=concurrency, request_rate=rate, num_prompts=prompts,
         attention_data_parallel=bool(_csv_value(row, "attention_data_parallel", _flag, where)), **limits,
+        length_range_ratio=ratio,
         **{name: (row.get(name) or "").strip() for name in ("engine", "engine_version", "date", "source", "quote",
                                                             "published_model", "speculative")}, label=where)
