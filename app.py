@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from planner.benchmarks.engines import ENGINE_NAMES, ENGINES
 from planner.catalog.hardware import hardware_names
 from planner.catalog.models import model_names
 from planner.cost.memory_plan import KV_DTYPES, WEIGHT_SCHEMES
@@ -13,6 +14,7 @@ from planner.simulation.workload import ARRIVALS, LengthDistribution, Workload
 from planner.ui import dashboard
 
 PAGES = ("Plan", "Compare", "Simulate", "Search", "Verify")
+ENGINE_CHOICES = (None, *ENGINES)
 GIB = float(1 << 30)
 
 st.set_page_config(page_title="kvplan", layout="wide")
@@ -39,38 +41,44 @@ def deployment_inputs() -> Deployment | None:
     context = int(sidebar.number_input("Context per request (tokens)", min_value=1, value=default.context, step=1024))
     price = sidebar.number_input("USD per GPU-hour (0 = catalogue)", min_value=0.0, value=0.0, step=0.25)
     caching = sidebar.checkbox("Prefix caching", value=default.prefix_caching)
+    engine = sidebar.selectbox("Serving engine (its calibration)", ENGINE_CHOICES,
+                               format_func=lambda name: ENGINE_NAMES.get(name, "every engine's fit"))
     return Deployment(model=model, hardware=hardware, gpus=gpus, weights=weights, kv_dtype=kv, context=context,
-                      gpu_hour_usd=price or None, prefix_caching=caching)
+                      gpu_hour_usd=price or None, prefix_caching=caching, engine=engine)
 
 
 def show_plan(deployment: Deployment) -> None:
     view = dashboard.plan_view(deployment)
     summary, details = view["summary"], view["details"]
     st.subheader(f"{deployment.model} on {deployment.gpus} x {deployment.hardware}")
+    st.caption(f"Layout: {details['layout']}. Step times from {details['parameters_source']}.")
     bars = summary["uncertainty_pct"] or {}
     columns = st.columns(4)
     columns[0].metric("Max context (tokens)", f"{summary['max_context_tokens']:,}")
     columns[1].metric("Max concurrency", f"{summary['max_concurrency']:,}", help=f"at {deployment.context} tokens")
-    columns[2].metric("Decode", f"{summary['decode_tokens_per_s']:,.0f} tok/s" + pm(bars, "decode_tokens_per_s"))
-    columns[3].metric("Prefill", f"{summary['prefill_tokens_per_s']:,.0f} tok/s" + pm(bars, "prefill_tokens_per_s"))
+    barred(columns[2], "Decode (tok/s)", f"{summary['decode_tokens_per_s']:,.0f}", bars, "decode_tokens_per_s")
+    barred(columns[3], "Prefill (tok/s)", f"{summary['prefill_tokens_per_s']:,.0f}", bars, "prefill_tokens_per_s")
     columns = st.columns(4)
     cost = summary["cost_per_million_tokens"]
-    columns[0].metric("Cost per 1M output tokens",
-                      "-" if cost is None else f"${cost:,.3f}" + pm(bars, "cost_per_million_tokens"))
+    barred(columns[0], "Cost per 1M output tokens", "-" if cost is None else f"${cost:,.3f}", bars,
+           "cost_per_million_tokens")
     columns[1].metric("Weights per GPU", f"{summary['weights_bytes_per_gpu'] / GIB:.1f} GiB")
     columns[2].metric("KV capacity (tokens)", f"{summary['kv_capacity_tokens']:,}")
     columns[3].metric("KV bytes per token per GPU", f"{summary['kv_bytes_per_token_per_gpu']:,}")
     st.plotly_chart(view["figure"], key="plan-memory")
     st.plotly_chart(view["concurrency"], key="plan-concurrency")
-    st.caption(f"Max context limited by {details['max_context_reason']}; step times from "
-               f"{details['parameters_source']}." + ("" if bars else " Uncalibrated: no error bars."))
+    st.caption(f"Max context limited by {details['max_context_reason']}."
+               + ("" if bars else " Uncalibrated: no error bars."))
     for note in details["notes"]:
         st.warning(note)
 
 
-def pm(bars: dict[str, float | None], figure: str) -> str:
-    """' ±x%' where the figure has an error bar."""
-    return "" if bars.get(figure) is None else f" ±{bars[figure]:g}%"
+def barred(column, label: str, value: str, bars: dict[str, float | None], figure: str) -> None:
+    """A tile whose value stays whole: the figure, its error bar beneath it (the calibration's, where there is one)."""
+    bar = bars.get(figure)
+    column.metric(label, value, delta=None if bar is None else f"±{bar:g}%", delta_color="off", delta_arrow="off",
+                  help="cross-validated error bar of the calibration" if bar is not None else "no error bar: "
+                  "uncalibrated defaults")
 
 
 def show_compare(deployment: Deployment) -> None:
@@ -119,11 +127,11 @@ def show_simulate(deployment: Deployment) -> None:
     report = view["report"]
     columns = st.columns(4)
     bars = view["uncertainty_pct"] or {}
-    columns[0].metric("TTFT p99", f"{report['ttft_p99_s']:.3f} s" + pm(bars, "ttft_p99_s"))
-    columns[1].metric("TPOT p99", f"{report['tpot_p99_s']:.4f} s" + pm(bars, "tpot_p99_s")
-                      if report["tpot_p99_s"] is not None else "-")
-    columns[2].metric("Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s"
-                      + pm(bars, "output_tokens_per_s"))
+    barred(columns[0], "TTFT p99", f"{report['ttft_p99_s']:.3f} s", bars, "ttft_p99_s")
+    barred(columns[1], "TPOT p99", "-" if report["tpot_p99_s"] is None else f"{report['tpot_p99_s']:.4f} s", bars,
+           "tpot_p99_s")
+    barred(columns[2], "Output throughput", f"{report['output_tokens_per_s']:,.0f} tok/s", bars,
+           "output_tokens_per_s")
     columns[3].metric("Preemptions", report["preemptions"])
     st.metric("Prefix-cache hit rate", f"{report['prefix_cache_hit_rate']:.0%}"
               + ("" if deployment.prefix_caching else " (caching off)"))

@@ -28,6 +28,24 @@ def test_plan_page_renders_the_default_deployment():
     assert len(app.get("plotly_chart")) == 2                     # memory, and concurrency against context
 
 
+def test_plan_tiles_keep_each_figure_whole_with_its_error_bar_and_say_where_it_came_from():
+    """A 1400-pixel window cut "30,483 tok/s ±217.8%" to "30,483 tok/s…": the unit goes to the label and the error
+    bar beneath the value; the layout and the calibration (engine, points) are named."""
+    app = fresh()
+    tiles = {metric.label: metric for metric in app.metric}
+    for label in ("Decode (tok/s)", "Prefill (tok/s)"):
+        value = tiles[label].value
+        assert value.replace(",", "").isdigit() and len(value) <= 9, value
+        assert tiles[label].delta.startswith("±") and tiles[label].delta.endswith("%")
+    captions = " ".join(caption.value for caption in app.caption)
+    assert "Layout: 1 x TP 8" in captions and "public measurements" in captions
+    app.sidebar.selectbox[4].set_value("sglang").run()            # the serving engine
+    captions = " ".join(caption.value for caption in app.caption)
+    assert not app.exception and ("SGLang" in captions or "sglang" in captions)
+    app.sidebar.number_input[0].set_value(32).run()               # four nodes: Kimi K2.6 spreads wide
+    assert "wide expert parallelism over 32 GPUs, 4 nodes of 8" in " ".join(c.value for c in app.caption)
+
+
 def test_a_changed_input_changes_the_numbers():
     app = fresh()
     before = metrics(app)
