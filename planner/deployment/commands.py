@@ -162,9 +162,9 @@ def pool_commands(deployment: DisaggregatedDeployment) -> dict[str, list[str]]:
                               f"HOST{index}")
         transfer = '{"kv_connector":"NixlConnector","kv_role":"%s"}' % ("kv_producer" if role == "prefill"
                                                                         else "kv_consumer")
-        sglang += _each_command(one["sglang"], f" --disaggregation-mode {role} --disaggregation-transfer-backend "
-                                               f"{backend} --port {30000 + index}")
-        vllm += _each_command(one["vllm"], f" --port {8100 + index} --kv-transfer-config {shlex.quote(transfer)}")
+        sglang += _each_command(one["sglang"], role, f" --disaggregation-mode {role} --disaggregation-transfer-backend "
+                                                     f"{backend} --port {30000 + index}")
+        vllm += _each_command(one["vllm"], role, f" --port {8100 + index} --kv-transfer-config {shlex.quote(transfer)}")
     router = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for role, _, index in instances:
         router += [f"--{role}", f"http://HOST{index}:{30000 + index}"]
@@ -174,6 +174,7 @@ def pool_commands(deployment: DisaggregatedDeployment) -> dict[str, list[str]]:
                             "consumer"]}
 
 
-def _each_command(text: str, options: str) -> list[str]:
-    """The lines of an instance's commands (one a node, with their comments), `options` added to each command."""
-    return [line if line.startswith("#") else line + options for line in text.splitlines()]
+def _each_command(text: str, role: str, options: str) -> list[str]:
+    """The lines of an instance's commands (one a node, with their comments naming the pool), `options` added to each
+    command."""
+    return [f"# {role} {line[2:]}" if line.startswith("# ") else line + options for line in text.splitlines()]
