@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from planner.benchmarks.engines import ENGINE_NAMES, ENGINES
+from planner.catalog.engines import ENGINE_NAMES, ENGINES
 from planner.catalog.hardware import hardware_names
 from planner.catalog.models import model_names
 from planner.cost.memory_plan import KV_DTYPES, WEIGHT_SCHEMES

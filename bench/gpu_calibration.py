@@ -28,7 +28,6 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from planner.benchmarks.engine_fit import engine_calibrations
-from planner.benchmarks.engines import ENGINE_NAMES, engine_calibration
 from planner.benchmarks.fit import (
     PointSetup,
     calibrate_benchmarks,
@@ -40,6 +39,7 @@ from planner.benchmarks.fit import (
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
 from planner.calibration.parameters import PUBLIC_BENCHMARKS
+from planner.catalog.engines import ENGINE_NAMES, engine_calibration
 from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
 

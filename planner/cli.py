@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import EXIT_BAD_INPUT, OneLineParser
-from planner.benchmarks.engines import ENGINES, check_engine
+from planner.catalog.engines import ENGINES, check_engine
 from planner.errors import PlannerError
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from planner.benchmarks.engines import check_engine, engine_family, minor_version, version_groups
 from planner.calibration import parameters
 from planner.calibration.parameters import PUBLIC_BENCHMARKS
+from planner.catalog.engines import check_engine, engine_family, minor_version, version_groups
 from planner.deployment.capacity import Deployment, evaluate
 from planner.deployment.commands import deploy_commands
 from planner.errors import PlannerError
@@ -79,3 +79,17 @@ def test_the_engine_chosen_gets_its_command_alone():
                                       engine="trtllm"))["trtllm"]
     assert "backend: WIDEEP" in wide and "num_slots: 288" in wide and "mpirun -H HOST0,HOST0_1 -n 16" in wide
     assert set(deploy_commands(Deployment(**{**base.__dict__, "engine": "vllm"}))) == {"vllm"}
+
+
+def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monkeypatch):
+    """TensorRT-LLM's catalogue points time tokens on Qwen3-32B alone (the rest are throughput runs): its own fit
+    could not be cross-validated on latency, so it keeps the every-engine fit and says why."""
+    from planner.benchmarks import engine_fit
+    from planner.benchmarks.formats import read_benchmarks
+
+    points = read_benchmarks([PUBLIC_BENCHMARKS.parent.parent / "data" / "benchmarks" / "public.csv"])
+    trtllm = [point for point in points if point.engine == "trtllm"]
+    monkeypatch.setattr(engine_fit, "ENGINES", ("trtllm",))
+    found = engine_fit.engine_calibrations(trtllm, {"cross_validated_rows": []}, 30.0)
+    assert found["trtllm"]["document"] is None
+    assert found["trtllm"]["why"].startswith("its points time tokens (TPOT or ITL) on qwen3-32b only")

@@ -1,17 +1,10 @@
-"""One calibration per serving engine (`planner.benchmarks.engines`): each family's points fitted on their own, an
+"""One calibration per serving engine (`planner.catalog.engines`): each family's points fitted on their own, an
 older version's points joined only where they agree with the newer ones' fit, leave-one-model-out within the family,
 and beside each figure what the fit over every engine says of the same points."""
 from __future__ import annotations
 
 from typing import Any
 
-from planner.benchmarks.engines import (
-    ENGINES,
-    MIN_ENGINE_POINTS,
-    VERSION_AGREEMENT_PCT,
-    engine_family,
-    version_groups,
-)
 from planner.benchmarks.fit import (
     PointSetup,
     calibrate_benchmarks,
@@ -22,7 +15,11 @@ from planner.benchmarks.fit import (
     predictions,
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, BenchmarkPoint
+from planner.catalog.engines import ENGINES, engine_family, version_groups
 from planner.errors import PlannerError
+
+MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
+VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
 
 
 def fittable(points: list[BenchmarkPoint]) -> list[BenchmarkPoint]:
@@ -54,16 +51,24 @@ def same_points(rows: list[dict[str, Any]], labels: set[str]) -> dict[str, float
 
 def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, Any],
                         max_cv_median_pct: float) -> dict[str, dict[str, Any]]:
-    """Per engine family: its calibration document (None where too few points or models), what was kept apart, and
+    """Per engine family: its calibration document (None where too few points or models, or where fewer than two of
+    its models have a time between tokens measured), what was kept apart, and
     its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points."""
     found: dict[str, dict[str, Any]] = {}
     for engine in ENGINES:
         family = [point for point in points if engine_family(point.engine) == engine]
         fitted = fittable(family)
         models = {point.model for point in fitted}
+        current, _ = version_groups(fitted)         # older versions join only if they agree: not counted on
+        timed = {point.model for point in current if point.measured("tpot") or point.measured("itl")}
         if len(fitted) < MIN_ENGINE_POINTS or len(models) < 2:
             found[engine] = {"document": None, "why": f"{len(fitted)} points of {len(models)} models: fewer than "
                                                       f"{MIN_ENGINE_POINTS} of two models"}
+            continue
+        if len(timed) < 2:
+            found[engine] = {"document": None, "why": f"its points time tokens (TPOT or ITL) on "
+                                                      f"{', '.join(sorted(timed)) or 'no model'} only: a fit cannot "
+                                                      f"be cross-validated on its latency"}
             continue
         kept, apart = agreeing_versions(fitted)
         kept_labels = {point.label for point in kept}

@@ -34,10 +34,10 @@ from engine.core.config import SchedulerConfig
 from engine.core.memory import GIB
 from engine.core.scheduler import SchedulerOutput
 from engine.core.step_shape import batch_shape
-from planner.benchmarks.engines import default_limits, engine_family
 from planner.benchmarks.formats import LLMPERF, BenchmarkPoint
 from planner.calibration.parameters import BENCHMARKS_VERSION_PREFIX, CALIBRATION_VERSION
 from planner.calibration.profile_fit import BOUNDS, TERM_OF
+from planner.catalog.engines import default_limits, engine_family
 from planner.catalog.hardware import get_hardware
 from planner.cost.memory_plan import DEFAULT_BATCHED_TOKENS, DEFAULT_MAX_SEQS
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, StepTerms, combine, step_terms
@@ -107,7 +107,7 @@ class StepRecorder(ModelStepTime):
 
 def point_deployment(point: BenchmarkPoint) -> Deployment:
     """The deployment a point ran on, with the limits its source states, else its engine's defaults
-    (`planner.benchmarks.engines.default_limits`), else a batch of at least its concurrency and 8192 tokens a step."""
+    (`planner.catalog.engines.default_limits`), else a batch of at least its concurrency and 8192 tokens a step."""
     ranks = point.gpus if point.attention_data_parallel else 1
     memory_gib = get_hardware(point.hardware).memory_bytes / GIB
     seqs, tokens = (default_limits(engine_family(point.engine), memory_gib, ranks)

@@ -1,7 +1,7 @@
 """The published throughput of wide expert-parallel pools (`planner/data/benchmarks/wide_ep.json`) and the planner's
 prediction of each: a prefill pool's input tokens/s per node (prompts of the published length packed into the
 published tokens a GPU takes per step), a decode pool's output tokens/s per node (the published batch a GPU at the
-published context)."""
+published context), priced by the engine's own fit where one covers the GPU."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,7 @@ class PoolPoint:
     tokens_per_gpu: int = 0     # prefill: new tokens a GPU takes per step
     context_tokens: int = 0     # decode: the cached context each request reads
     batch_per_gpu: int = 0      # decode: requests a GPU decodes at once
+    engine: str | None = None   # the engine that ran it: its own fit prices it where one covers the GPU
 
     def __post_init__(self) -> None:
         if self.pool not in ("prefill", "decode"):
@@ -40,7 +41,7 @@ class PoolPoint:
         """The pool as the planner lays it out across nodes: data-parallel attention, experts over every GPU."""
         common = {"model": self.model, "hardware": self.hardware, "gpus": self.nodes * gpus_per_node,
                   "weights": self.weights, "kv_dtype": self.kv_dtype, "redundant_experts": self.redundant_experts,
-                  "two_batch_overlap": self.two_batch_overlap, "gpus_per_node": gpus_per_node}
+                  "two_batch_overlap": self.two_batch_overlap, "gpus_per_node": gpus_per_node, "engine": self.engine}
         if self.pool == "prefill":
             return Deployment(**common, context=self.input_tokens, max_num_batched_tokens=self.tokens_per_gpu,
                               max_num_seqs=max(1, self.tokens_per_gpu // self.input_tokens))

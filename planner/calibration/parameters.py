@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.step_shape import engine_version
-from planner.benchmarks.engines import ENGINE_NAMES, check_engine, engine_calibration
+from planner.catalog.engines import ENGINE_NAMES, check_engine, engine_calibration
 from planner.catalog.hardware import HardwareSpec
 from planner.cost.step_model import (
     MeasuredLinears,

@@ -14,17 +14,18 @@ microseconds of latency beyond the bytes (`A2A_NETWORK_EFFICIENCY`, `A2A_LATENCY
 The hottest GPU sets each layer's pace. Its load is the mean times `1 + z(G) sqrt(cv^2 + 1/m)`: z(G) the expected
 maximum of G standard normals, m the mean pairs a GPU receives (their count's own noise), cv the spread of the
 GPUs' loads. Real routing is skewed: experts differ in popularity with a coefficient of variation
-`EXPERT_LOAD_CV` (an assumption, set before any comparison: with it the model gives EPLB 1.47x in prefill and
-1.79x in decode on SGLang's DeepSeek pools, where the post measured "1.49x (prefill) and 2.54x (decode)",
+`EXPERT_LOAD_CV` (an assumption, set before any comparison: with it the model gives EPLB 1.50x in prefill and
+1.83x in decode on SGLang's DeepSeek pools, where the post measured "1.49x (prefill) and 2.54x (decode)",
 https://lmsys.org/blog/2025-05-05-large-scale-ep/; bench/wide_ep_published.py); a GPU holding L experts spreads it
 to cv / sqrt(L). EPLB's redundant copies of the hot experts, placed to balance the GPUs,
 leave `EPLB_RESIDUAL_CV` (its balancedness, mean over max load, about 0.9 at EP 72).
 
 Two-batch overlap splits a step into two micro-batches, one computing while the other's tokens travel. It does not
 hide all of the shorter: DeepEP's kernels take SMs from the GEMMs and the halves do not pipeline perfectly.
-`TWO_BATCH_OVERLAP_SHARE` is the share it hides, set so that the step model gives SGLang's published decode gain
-("25.5% throughput gain" at 256 tokens per GPU, DeepSeek-V3 on 9 nodes of 8 H100, the post above); the prefill gain it
-then predicts, 36%, is near the post's "27% and 35%" for 16k-token batches.
+`TWO_BATCH_OVERLAP_SHARE` is the share it hides, set so that the step model gave SGLang's published decode gain
+("25.5% throughput gain" at 256 tokens per GPU, DeepSeek-V3 on 9 nodes of 8 H100, the post above) under the public
+calibration of 2026-12-04 (1.23x); under the refit of 2026-12-05 it gives 1.31x in decode and 1.28x in prefill, where
+the post measured "27% to 35%" for 16k-token batches.
 """
 from __future__ import annotations
 

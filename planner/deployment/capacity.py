@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from engine.core.memory import dtype_bytes, indexer_bytes_per_token, kv_layout, tensor_parallel_traffic
 from engine.core.spec import ModelSpec
-from planner.benchmarks.engines import check_engine
 from planner.calibration.parameters import FIGURE_ERRORS, step_parameters
+from planner.catalog.engines import check_engine
 from planner.catalog.hardware import HardwareSpec, get_hardware
 from planner.catalog.models import get_model
 from planner.cost.expert_parallel import all_to_all_traffic, rank_load_cv

@@ -5,7 +5,7 @@ The same deployment measures up to 2x apart between engines and versions (the ca
 against SGLang's, vLLM 0.7 against SGLang 0.5), so each family gets its own step parameters over the shared physics
 (the catalogue's peaks); NVIDIA's aiconfigurator keeps one performance database per backend and version for the same
 reason. Within a family, points of an older minor version are fitted with the newer ones only where they agree
-with them (`bench/gpu_calibration.py`): otherwise they are kept apart, not averaged.
+with them (`planner.benchmarks.engine_fit`): otherwise they are kept apart, not averaged.
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from planner.files import PROFILES
 
 ENGINES = ("vllm", "sglang", "trtllm")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM", "other": "other engines"}
-MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
-VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
 
 
 def check_engine(engine: str | None) -> str | None:
