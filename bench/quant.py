@@ -116,7 +116,9 @@ def run_kernel_benchmarks() -> dict:
     from engine.kernels.fp8_matmul import w8a16_matmul
     from engine.kernels.int4_matmul import w4a16_matmul
     from engine.kernels.paged_attention import paged_decode_attention
-    from engine.model.quant import quantize_int4, unpack_int4
+    from engine.kernels.tuning import rows_bucket, trying
+    from engine.model.quant import quantize_int4
+    from engine.model.quantized_linear import Int4Linear, scaled_mm_per_row
 
     if not torch.cuda.is_available():
         raise SystemExit("--kernels needs a CUDA GPU")
@@ -130,15 +132,7 @@ def run_kernel_benchmarks() -> dict:
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         weight = quantize_int4(dense, WeightFormat("int4", 128, scale_dtype="bf16"))
         minimums = weight.group_minimums()
-        tiny = None
-        try:                                         # torch's own int4 kernel (tinygemm), for reference
-            q = unpack_int4(weight.packed)                # tinygemm wants the even index in the high nibble
-            packed_tiny = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
-            zeros = minimums.float() + 8 * weight.scales.float()
-            scales_zeros = torch.stack([weight.scales.float(), zeros], -1).transpose(0, 1).contiguous().bfloat16()
-            tiny = (packed_tiny, scales_zeros)
-        except (RuntimeError, TypeError) as error:
-            print(f"torch int4 kernel unavailable: {error}", file=sys.stderr)
+        layer = Int4Linear(weight)                   # torch's own int4 kernel (tinygemm) as the engine runs it
         for m in (1, 16, 64):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             bf16_ms = do_bench(lambda: x @ dense.t())
@@ -147,8 +141,11 @@ def run_kernel_benchmarks() -> dict:
                    "bf16_gb_s": _gb_per_s(dense.nbytes, bf16_ms),
                    "w4a16_gb_s": _gb_per_s(weight.packed.nbytes + 2 * weight.scales.nbytes, w4_ms),
                    "w4a16_speedup": round(bf16_ms / w4_ms, 2)}
-            if tiny is not None:
-                row["torch_int4_ms"] = do_bench(lambda: torch._weight_int4pack_mm(x, tiny[0], 128, tiny[1]))
+            try:
+                with trying("int4_linear", rows_bucket(m), {"path": "torch_int4"}):
+                    row["torch_int4_ms"] = do_bench(lambda: layer(x))
+            except (RuntimeError, TypeError) as error:
+                print(f"torch int4 kernel unavailable: {error}", file=sys.stderr)
             gemm.append(row)
     fp8 = []
     for n, k in ((4096, 4096), (14336, 4096)):
@@ -160,13 +157,8 @@ def run_kernel_benchmarks() -> dict:
             row = {"n": n, "k": k, "m": m, "bf16_ms": do_bench(lambda: x @ dense.t()),
                    "w8a16_ms": do_bench(lambda: w8a16_matmul(x, values, weight_scales))}
             row["w8a16_gb_s"] = _gb_per_s(values.nbytes, row["w8a16_ms"])
-            try:                                     # torch's FP8 GEMM: activations quantized per tensor too
-                x_scale = (x.float().abs().amax() / 448.0).reshape(())
-                x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
-                padded = torch.zeros(max(16, m), k, device=device, dtype=torch.float8_e4m3fn)   # rows: a multiple of 16
-                padded[:m] = x8
-                row["scaled_mm_ms"] = do_bench(lambda: torch._scaled_mm(
-                    padded, values.t(), x_scale.float(), weight_scales[None, :].float(), out_dtype=torch.bfloat16))
+            try:                                     # torch's FP8 GEMM: each activation row quantized too
+                row["scaled_mm_ms"] = do_bench(lambda: scaled_mm_per_row(x, values, weight_scales))
             except (RuntimeError, TypeError) as error:
                 print(f"torch._scaled_mm unavailable: {error}", file=sys.stderr)
             fp8.append(row)

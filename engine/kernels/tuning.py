@@ -64,6 +64,12 @@ def _tuned(key: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+@cache
+def _device_key(index: int | None) -> str:
+    """A CUDA device's file name, asked of the driver once: every quantized linear and kernel call looks it up."""
+    return gpu_key(torch.cuda.get_device_name(index))
+
+
 def reread_tuned_files() -> None:
     """The autotuner, having written a stage's configurations, times the next stage on them."""
     _tuned.cache_clear()
@@ -74,6 +80,6 @@ def launch_config(kernel: str, bucket: str, device: torch.device) -> dict[str, A
     this GPU where there is one."""
     config = dict(DEFAULTS[kernel])
     if device.type == "cuda":
-        config.update(_tuned(gpu_key(torch.cuda.get_device_name(device))).get(kernel, {}).get(bucket, {}))
+        config.update(_tuned(_device_key(device.index)).get(kernel, {}).get(bucket, {}))
     config.update(_trying.get((kernel, bucket), {}))
     return config

@@ -39,12 +39,15 @@ LINEAR_PATHS = {"int4_linear": ("triton", "torch_int4", "dequantize"),
                 "fp8_linear": ("triton", "scaled_mm", "dequantize")}
 
 
+def default_path(rows: int) -> str:
+    """Untuned: the fused-dequantization kernel for decode's few rows, a widened weight's float GEMM for prefill."""
+    return "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+
+
 def linear_path(kernel: str, rows: int, device: torch.device) -> str:
     """Which path serves a quantized linear of `rows` rows where Triton runs: the committed tuning's choice for the
-    rows bucket (`bench/autotune_kernels.py` times every path of `LINEAR_PATHS` on the GPU), else the
-    fused-dequantization kernel for decode's few rows and a widened weight's float GEMM for prefill."""
-    default = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
-    return launch_config(kernel, rows_bucket(rows), device).get("path", default)
+    rows bucket (`bench/autotune_kernels.py` times every path of `LINEAR_PATHS` on the GPU), else `default_path`."""
+    return launch_config(kernel, rows_bucket(rows), device).get("path", default_path(rows))
 
 
 class Int4Linear(nn.Module):
@@ -97,7 +100,7 @@ class Int4Linear(nn.Module):
         if use_triton(x):
             path = linear_path("int4_linear", rows, x.device)
             if path == "torch_int4" and not self.torch_int4_fits(x.device):
-                path = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+                path = default_path(rows)
             return path
         return "torch_int4" if self.torch_int4_fits(x.device) else "dequantize"
 
@@ -148,7 +151,7 @@ class Fp8Linear(nn.Module):
         path = linear_path("fp8_linear", rows, x.device) if use_triton(x) else "dequantize"
         channel_scales = self.block_size is None
         if path == "scaled_mm" and not (channel_scales and self.in_features % 16 == 0 and self.out_features % 16 == 0):
-            path = "triton" if rows <= TRITON_MAX_ROWS else "dequantize"
+            path = default_path(rows)
         return path if path != "triton" or channel_scales else "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
