@@ -98,9 +98,9 @@ class SearchSpace:
             raise PlannerError(f"NVFP4 needs Blackwell's FP4 tensor cores; none of {', '.join(self.hardware)} has "
                                f"them (b200 has)")
 
-    def gpu_counts(self, node: int | None = None) -> list[int]:
-        """Powers of two up to `max_gpus` (and at most a node: no tensor-parallel group spans nodes)."""
-        limit = self.max_gpus if node is None else min(self.max_gpus, node)
+    def gpu_counts(self, node: int) -> list[int]:
+        """Powers of two up to `max_gpus` and at most a node: no tensor-parallel group spans nodes."""
+        limit = min(self.max_gpus, node)
         return [2 ** i for i in range(limit.bit_length()) if 2 ** i <= limit]
 
     def wide_node_counts(self, node: int) -> list[int]:
