@@ -57,13 +57,17 @@ def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
 
 def default_limits(engine: str, memory_gib: float, attention_ranks: int = 1) -> tuple[int, int] | None:
     """The batch limit and tokens per step an engine's server takes when a run does not set them, per replica (a
-    data-parallel attention rank); None for an engine whose defaults are not known (NIM).
+    data-parallel attention rank); None for an engine whose defaults are not known (NIM). Read 2026-12-05:
 
-    vLLM's API server (vllm/engine/arg_utils.py, `EngineArgs._set_default_args`, 0.11.0): 1024 sequences and 8192
-    batched tokens on GPUs of 70 GiB or more (A100 aside), 256 and 2048 below. SGLang (python/sglang/srt/server_args.py,
-    0.5.12): a chunked-prefill size of 8192 below 160 GiB and 16384 above, divided over data-parallel attention ranks;
-    running requests from the KV pool, at least 2048 a rank. trtllm-serve: max_batch_size 2048, max_num_tokens 8192
-    (its BuildConfig defaults)."""
+    - vLLM's API server, vllm/engine/arg_utils.py `EngineArgs._set_default_args` (the vllm 0.11.0 wheel): "if
+      device_memory >= 70 * GiB_bytes and "a100" not in device_name:" ... "UsageContext.OPENAI_API_SERVER: 8192" ...
+      "UsageContext.OPENAI_API_SERVER: 1024"; below, 2048 and 256.
+    - SGLang, python/sglang/srt/server_args.py (the sglang 0.5.12 wheel): "elif gpu_mem < 160 * 1024:" ...
+      "self.chunked_prefill_size = 8192", else "self.chunked_prefill_size = 16384"; with DP attention
+      "self.chunked_prefill_size = self.chunked_prefill_size // self.dp_size"; running requests from the KV pool,
+      model_runner_kv_cache_mixin.py: "estimated = max(min(estimated, 4096), 2048)".
+    - trtllm-serve, tensorrt_llm/commands/serve.py takes BuildConfig's defaults, tensorrt_llm/builder.py:
+      "max_batch_size: int = 2048", "max_num_tokens: int = 8192" (trtllm-bench picks its own per model)."""
     if engine == "vllm":
         return (1024, 8192) if memory_gib >= 70 else (256, 2048)
     if engine == "sglang":

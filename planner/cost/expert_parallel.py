@@ -7,7 +7,7 @@ back: two all-to-alls a layer. DeepEP sends each (token, expert) pair's hidden s
 on the way back ("FP8 dispatching and BF16 combining", https://github.com/deepseek-ai/DeepEP), over NVLink to GPUs
 of the same node and over the GPU's own NIC to other nodes. Its low-latency kernels, which decode uses, move at
 39-43 GB/s per H800 at EP 64-256 on 400 Gb/s (50 GB/s) NICs ("EP 128 | 192 us | 39 GB/s" dispatch, "369 us |
-39 GB/s" combine, 128 tokens, hidden 7168, top-8: docs/legacy.md of that repository): about 0.8 of the NIC, a few
+39 GB/s" combine, 128 tokens, hidden 7168, top-8: docs/legacy.md of that repository, read 2026-12-05): about 0.8 of the NIC, a few
 microseconds of latency beyond the bytes (`A2A_NETWORK_EFFICIENCY`, `A2A_LATENCY_S`). Within a node its kernels reach
 153-158 GB/s of an H800's 200 GB/s NVLink direction (`A2A_LINK_EFFICIENCY`).
 
