@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.core.step_shape import PROFILE_VERSION, REGIMES
+from engine.core.step_shape import PROFILE_VERSION, SAMPLE_KINDS
 from engine.harness.profiler import MAX_TIMINGS_PER_PASS, SECONDS_PER_POINT_PER_PASS, Profiler, SweepPlan
 from engine.llm import LLM
 
@@ -20,20 +20,26 @@ def small_engine() -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def profile(small_engine) -> dict:
     plan = SweepPlan(prefill_tokens=(16, 48, 4096), multi_prefills=((40, 3), (600, 4)), decode_batches=(1, 3),
-                     decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)), warmup=0, repeats=2)
+                     decode_contexts=(40, 9000), mixed=((2, 40, 24), (64, 40, 24), (1, 40, 31, 2)),
+                     prefix_prefills=((24, 200), (300, 100), (64, 900)), warmup=0, repeats=2)
     return Profiler(small_engine, plan).run()
 
 
 def test_a_profile_records_its_points_and_how_attention_reads(profile, small_engine):
     assert profile["version"] == PROFILE_VERSION
     kinds = [s["kind"] for s in profile["samples"]]
-    # the 4096-token prefill, 600 tokens in one step, the 9000-token contexts and 64 decodes do not fit this
-    # engine: left out
-    assert kinds == ["prefill", "prefill", "prefill", "decode", "decode", "mixed", "mixed"]
-    assert set(kinds) == set(REGIMES)
+    # the 4096-token prefill, 600 tokens in one step, the 9000-token contexts, 64 decodes, a 300-token chunk and
+    # 900 cached tokens do not fit this engine: left out
+    assert kinds == ["prefill", "prefill", "prefill", "decode", "decode", "mixed", "mixed", "prefix"]
+    assert set(kinds) == set(SAMPLE_KINDS) - {"verify"}
+    # 24 new tokens over 200 cached: each reads the prefix and the chunk up to itself
+    (prefix,) = [s for s in profile["samples"] if s["kind"] == "prefix"]
+    assert prefix["batch"] | {"num_prefills": 1, "prefill_tokens": 24, "prefill_context_tokens": 224,
+                              "prefill_pairs": 24 * 200 + 24 * 25 // 2, "num_decodes": 0} == prefix["batch"]
+    assert Profiler.point_of(prefix) == (24, 200)
     # several prompts prefilled in one step, as even as integers allow, alone or beside decodes
     shapes = [(s["batch"]["num_prefills"], s["batch"]["prefill_tokens"], s["batch"]["prefill_pairs"])
-              for s in profile["samples"] if s["batch"]["num_prefills"]]
+              for s in profile["samples"] if s["batch"]["num_prefills"] and s["kind"] != "prefix"]
     def pairs(*prompts: int) -> int:
         return sum(n * (n + 1) // 2 for n in prompts)
     assert shapes == [(1, 16, pairs(16)), (1, 48, pairs(48)), (3, 40, pairs(14, 13, 13)), (1, 24, pairs(24)),
@@ -105,3 +111,13 @@ def test_a_speculative_engine_is_also_timed_verifying_drafts():
     assert profiler.can_remeasure(verify[1]) and profiler.remeasure(verify[1])["batch"] == verify[1]["batch"]
     two_drafts = LLM(model="smollm2-135m", weights="fp32", device="cpu", num_pages=60, speculative="ngram:2")
     assert not Profiler(two_drafts, SweepPlan(warmup=0, repeats=1)).can_remeasure(verify[1])
+
+
+def test_a_calibration_reports_its_error_on_prefills_over_a_cached_prefix(profile):
+    """The fit reads a prefix sample as any other step (its cached tokens are attention context) and reports its
+    error apart, as it does each regime's."""
+    from planner.calibration.profile_fit import calibrate
+
+    document = calibrate(profile, max_mape=1e6)
+    assert {"mape_prefill_pct", "mape_decode_pct", "mape_mixed_pct", "mape_prefix_pct"} <= set(document)
+    assert document["mape_prefix_pct"] >= 0

@@ -10,9 +10,10 @@ from engine.core.scheduler import SchedulerOutput
 
 PROFILE_VERSION = 1
 REGIMES = ("prefill", "decode", "mixed")
-# a profile's sample kinds: the regimes, and steps whose every sequence verifies K drafts (`engine profile
-# --speculative ngram:K`), which a calibration fits its verification costs to
-SAMPLE_KINDS = (*REGIMES, "verify")
+# a profile's sample kinds: the regimes, steps whose every sequence verifies K drafts (`engine profile
+# --speculative ngram:K`), which a calibration fits its verification costs to, and prompts' chunks computed over a
+# cached prefix (a prefix-cache hit, a long prompt's later chunk: attention reads KV no step of theirs wrote)
+SAMPLE_KINDS = (*REGIMES, "verify", "prefix")
 
 
 def batch_shape(output: SchedulerOutput, index_topk: int = 0) -> dict[str, int]:

@@ -13,7 +13,8 @@ The profile is a versioned JSON document:
                                  triton, dtypes, measured copy bandwidth and matmul rate},
      "model": {shape, parameters}, "memory": {weight bytes, KV bytes per token, activation peak},
      "linears": {"rows", "decoder_s", "head_rows", "head_s"}: the linear layers alone, by row count,
-     "samples": [{"kind": "prefill" | "decode" | "mixed" | "verify", "batch": {the step's shape}, "times_s": [...],
+     "samples": [{"kind": "prefill" | "decode" | "mixed" | "verify" | "prefix", "batch": {the step's shape},
+                  "times_s": [...],
                   "median_s", "bytes_moved", "achieved_gb_s"[, "collective_s", "collective_bytes"]}],
      "collectives": [{"op", "bytes", "ranks", "median_s", "times_s"}]}   (tensor parallelism only)
 
@@ -21,6 +22,10 @@ Under tensor parallelism the times are rank 0's: its share of the work, and the 
 others (rank 0's time inside them, and the bytes it sent, per step).
 
 `batch` holds the counts the planner's step model reads (`engine.core.step_shape.batch_shape`).
+
+`prefix` samples prefill a prompt whose first tokens are already cached (seeded as decodes are): a prefix-cache hit,
+or a long prompt's later chunk. Their attention reads the cached KV as well as the chunk's own, which a fresh
+prompt's never does; TTFT under a shared system prompt or a chunked long prompt rests on them.
 
 An engine with prompt-lookup speculation (`--speculative ngram:K`) is also timed verifying: B sequences at a
 context, each checking K drafts a step (`verify` samples), at every decode batch and the shortest and longest
@@ -80,6 +85,8 @@ class SweepPlan:
     # (decodes, their context, prefill tokens[, prompts those tokens are split into; 1 if left out])
     mixed: tuple[tuple[int, ...], ...] = ((4, 256, 64), (8, 512, 256), (16, 256, 512), (32, 1024, 128),
                                           (64, 128, 1024), (8, 256, 1024, 4), (16, 256, 2032, 8))
+    # (new tokens, cached tokens before them): a prompt's chunk over a cached prefix
+    prefix_prefills: tuple[tuple[int, int], ...] = ((64, 1024), (256, 4096), (512, 512), (1024, 8192), (2048, 2048))
     warmup: int = 1
     repeats: int = 3
     max_kv_tokens: int | None = None    # cap on cached tokens a step reads (the domain a CPU profile covers)
@@ -93,6 +100,10 @@ class SweepPlan:
             if not (isinstance(prompts, int) and isinstance(tokens, int) and 0 < prompts <= tokens):
                 raise ConfigError(f"multi_prefills are (tokens in all, prompts) with 0 < prompts <= tokens, "
                                   f"got {(tokens, prompts)!r}")
+        for point in self.prefix_prefills:
+            if len(point) != 2 or any(not isinstance(v, int) or v <= 0 for v in point):
+                raise ConfigError(f"prefix prefills are (new tokens, cached tokens) of positive integers, got "
+                                  f"{point!r}")
         for point in self.mixed:
             if len(point) not in (3, 4) or any(not isinstance(v, int) or v <= 0 for v in point) or (
                     len(point) == 4 and point[3] > point[2]):
@@ -120,6 +131,9 @@ def pages_to_remeasure(kind: str, point: tuple[int, ...], page_size: int, plan: 
 
     if kind == "prefill":
         return prompt_pages(*point)
+    if kind == "prefix":
+        tokens, cached = point
+        return pages_for_tokens(cached + tokens + 1, page_size)
     if kind == "decode":
         batch, context = point
         return batch * pages_for_tokens(context + steps_per_point(plan), page_size)
@@ -199,6 +213,19 @@ class Profiler:
             seqs.append(seq)
         return seqs
 
+    def _seed_prefix(self, tokens: int, cached: int) -> None:
+        """A prompt of `cached + tokens` tokens whose first `cached` are in the pool (real K/V, tiled): its next step
+        computes the other `tokens` over them, and samples its one token."""
+        if not self._pool_holds_real_kv:
+            self._fill_pool_with_real_kv()
+        seq = Sequence(self._tokens(cached + tokens), SamplingParams(max_tokens=1, ignore_eos=True),
+                       cache_salt=next(self._salts))
+        seq.publishes_eagerly = False
+        self.llm.core.block_manager.allocate(seq.seq_id, cached)
+        seq.num_computed_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.llm.core.scheduler.running.append(seq)
+
     def _clear(self) -> None:
         for seq in list(self.llm.core.scheduler.running) + list(self.llm.core.scheduler.waiting):
             self.llm.abort(seq.seq_id)
@@ -259,6 +286,11 @@ class Profiler:
                 and batch + prefill <= self.llm.config.max_num_batched_tokens
                 and self._prompts_fit(prefill, prompts) and self._pages_fit("mixed", batch, context, prefill, prompts))
 
+    def _prefix_fits(self, tokens: int, cached: int) -> bool:
+        return (cached + tokens + 1 < self.llm.max_model_len and tokens <= self.llm.config.max_num_batched_tokens
+                and cached + tokens <= (self.plan.max_kv_tokens or self.llm.capacity_tokens)
+                and self._pages_fit("prefix", tokens, cached))
+
     def _drafts(self) -> int:
         """K of the engine's prompt-lookup speculation; 0 without it (MTP's drafts are the model's own)."""
         speculative = self.llm.config.speculative_config
@@ -284,6 +316,9 @@ class Profiler:
     def mixed_points(self) -> list[tuple[int, ...]]:
         return [point for point in self.plan.mixed if self._mixed_fits(*point)]
 
+    def prefix_points(self) -> list[tuple[int, int]]:
+        return [point for point in self.plan.prefix_prefills if self._prefix_fits(*point)]
+
     def verify_points(self) -> list[tuple[int, int]]:
         """With prompt-lookup speculation: every decode batch at the shortest and the longest decode context."""
         contexts = dict.fromkeys((min(self.plan.decode_contexts), max(self.plan.decode_contexts)))
@@ -291,9 +326,11 @@ class Profiler:
 
     @staticmethod
     def point_of(sample: dict[str, Any]) -> tuple[int, ...]:
-        """A recorded sample's sweep point: (tokens[, prompts]), (batch, context) or
+        """A recorded sample's sweep point: (tokens[, prompts]), (batch, context), (new tokens, cached tokens) or
         (batch, context, prefill tokens[, prompts]); the prompts only where there are several."""
         batch = sample["batch"]
+        if sample["kind"] == "prefix":
+            return batch["prefill_tokens"], batch["prefill_context_tokens"] - batch["prefill_tokens"]
         if sample["kind"] == "decode":
             return batch["num_decodes"], batch["decode_context_tokens"] // batch["num_decodes"]
         if sample["kind"] == "verify":      # each a chunk of K + 1 tokens ending at context + K
@@ -309,7 +346,7 @@ class Profiler:
     def can_remeasure(self, sample: dict[str, Any]) -> bool:
         """Whether this engine (its pool, its limits) can run a step like a profile's `sample`."""
         fits = {"prefill": self._prefill_fits, "decode": self._decode_fits, "mixed": self._mixed_fits,
-                "verify": self._verify_fits}
+                "verify": self._verify_fits, "prefix": self._prefix_fits}
         batch = sample["batch"]
         if sample["kind"] == "verify" and batch["verification_tokens"] != batch["num_verifications"] * (
                 self._drafts() + 1):
@@ -319,7 +356,7 @@ class Profiler:
     def remeasure(self, sample: dict[str, Any]) -> dict[str, Any]:
         """The same sweep point again, now: how fast this machine runs today what it was profiled on."""
         measure = {"prefill": self.profile_prefill, "decode": self.profile_decode, "mixed": self.profile_mixed,
-                   "verify": self.profile_verify}
+                   "verify": self.profile_verify, "prefix": self.profile_prefix}
         return measure[sample["kind"]](*self.point_of(sample), warmup=self.plan.warmup, repeats=self.plan.repeats)
 
     def _time_from_scratch(self, kind: str, set_up: Callable[[], None], warmup: int, repeats: int) -> dict[str, Any]:
@@ -350,6 +387,10 @@ class Profiler:
     def profile_prefill(self, tokens: int, prompts: int = 1, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
         with self._drafting(None):
             return self._time_from_scratch("prefill", lambda: self._add_prefills(tokens, prompts), warmup, repeats)
+
+    def profile_prefix(self, tokens: int, cached: int, warmup: int = 1, repeats: int = 1) -> dict[str, Any]:
+        with self._drafting(None):
+            return self._time_from_scratch("prefix", lambda: self._seed_prefix(tokens, cached), warmup, repeats)
 
     def _time_steps(self, kind: str, warmup: int, repeats: int) -> dict[str, Any]:
         """Times the seeded sequences' next steps, then clears the engine."""
@@ -422,6 +463,7 @@ class Profiler:
     def planned_rows(self) -> tuple[int, int]:
         """The most new tokens, and the most sequences, of any step the sweep will time."""
         shapes = ([(n, 1) for n in self.prefill_points()] + list(self.multi_prefill_points())
+                  + [(n, 1) for n, _ in self.prefix_points()]
                   + [(b, b) for b, _ in self.decode_points()]
                   + [(p[0] + p[2], p[0] + (p[3] if len(p) == 4 else 1)) for p in self.mixed_points()])
         return max(rows for rows, _ in shapes), max(seqs for _, seqs in shapes)
@@ -458,6 +500,8 @@ class Profiler:
                   + (f" in {point[3]} prompts" if len(point) == 4 else ""),
                   lambda w, r, point=point: self.profile_mixed(*point, warmup=w, repeats=r))
                  for point in self.mixed_points()]
+        jobs += [(f"prefill {n} tokens over {c} cached", lambda w, r, n=n, c=c: self.profile_prefix(n, c, w, r))
+                 for n, c in self.prefix_points()]
         jobs += [(f"verify {b} x {self._drafts()} drafts at context {c}",
                   lambda w, r, b=b, c=c: self.profile_verify(b, c, self.plan.warmup, r))
                  for b, c in self.verify_points()]
