@@ -262,6 +262,9 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
                         help="new tokens one step of a replica takes (default 8192)")
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of GPU memory to use")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="largest decode batch per replica")
+    parser.add_argument("--scheduler-recv-interval", type=int, default=1, metavar="STEPS",
+                        help="SGLang's: the scheduler takes new requests in every STEPS decode steps (and after "
+                             "each prefill); default 1, every step")
     parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                         help="decode steps in CUDA graphs (default: the catalogue's; off: every kernel launched)")
@@ -325,7 +328,8 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                                                                                           args.acceptance),
                       gpus_per_node=args.gpus_per_node, redundant_experts=args.redundant_experts,
                       dense_tensor_parallel=args.dense_tp, two_batch_overlap=args.two_batch_overlap,
-                      max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine)
+                      max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
+                      scheduler_recv_interval=args.scheduler_recv_interval)
 
 
 def _gpus(args: argparse.Namespace) -> int:

@@ -79,6 +79,10 @@ def test_the_engine_chosen_gets_its_command_alone():
                                       engine="trtllm"))["trtllm"]
     assert "backend: WIDEEP" in wide and "num_slots: 288" in wide and "mpirun -H HOST0,HOST0_1 -n 16" in wide
     assert set(deploy_commands(Deployment(**{**base.__dict__, "engine": "vllm"}))) == {"vllm"}
+    polled = deploy_commands(Deployment(**{**base.__dict__, "engine": "sglang", "scheduler_recv_interval": 30}))
+    assert "--scheduler-recv-interval 30" in polled["sglang"]
+    assert "--scheduler-recv-interval" not in deploy_commands(Deployment(**{**base.__dict__, "engine": "sglang"}))[
+        "sglang"]
 
 
 def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monkeypatch):

@@ -162,6 +162,13 @@ def test_simulate_cli_json_and_errors():
     bad = subprocess.run([sys.executable, "-m", "planner.cli", *args[:-1], "--workload", "bursty"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "unknown workload 'bursty'" in bad.stderr
+    polled = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--scheduler-recv-interval", "30"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert polled.returncode == 0, polled.stderr
+    assert json.loads(polled.stdout)["ttft_p50_s"] > payload["ttft_p50_s"]     # arrivals wait for the next poll
+    zero = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--scheduler-recv-interval", "0"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert zero.returncode == 2 and "scheduler recv interval must be a positive integer, got 0" in zero.stderr
 
 
 def test_simulator_replays_the_engines_batches(english_prompts):
@@ -240,10 +247,13 @@ def sparse_step(batch: BatchShape) -> float:
     return 0.004 + 1e-4 * batch.num_seqs + 2e-5 * batch.prefill_tokens + 3e-7 * selected
 
 
-@pytest.mark.parametrize("index_topk, num_pages, replicas", [(0, 400, 1), (96, 400, 2), (0, 60, 1)])
-def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk, num_pages, replicas, monkeypatch):
-    """Dense and sparse step prices, two replicas, a pool small enough to preempt: the same first tokens, ends,
-    steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run."""
+@pytest.mark.parametrize("index_topk, num_pages, replicas, receive_interval",
+                         [(0, 400, 1, 1), (96, 400, 2, 1), (0, 60, 1, 1), (0, 400, 2, 7)])
+def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk, num_pages, replicas,
+                                                                     receive_interval, monkeypatch):
+    """Dense and sparse step prices, two replicas, a pool small enough to preempt, a scheduler that polls for
+    requests every 7 decode steps: the same first tokens, ends, steps, peaks and preemptions, float for float, with
+    windows fast-forwarded or not; and windows did run."""
     from planner.simulation.simulator import Replica
 
     windows = []
@@ -259,7 +269,8 @@ def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk,
     workload = Workload("poisson", 300, rate=3.0, prompt=LengthDistribution("uniform", low=20, high=300),
                         output=LengthDistribution("uniform", low=10, high=300), seed=5)
     results = [Simulation(config, model_step_time(sparse_step, index_topk), replicas, record_steps=False,
-                          fast_forward=fast).run(workload) for fast in (False, True)]
+                          fast_forward=fast, receive_interval=receive_interval).run(workload)
+               for fast in (False, True)]
     slow, fast = results
     assert [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in slow.timings] == \
            [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in fast.timings]
@@ -291,3 +302,26 @@ def test_the_api_servers_time_delays_each_request_by_as_much():
     assert second.ttft_s == pytest.approx(first.ttft_s + 0.25) and second.tpot_s == pytest.approx(first.tpot_s)
     with pytest.raises(PlannerError, match="request overhead must be >= 0 seconds, got -1"):
         Simulation(config, model_step_time(toy_step), request_overhead_s=-1)
+
+
+def test_a_scheduler_polling_every_n_decode_steps_takes_a_request_in_at_the_next_poll():
+    """SGLang's `--scheduler-recv-interval 10`: after a prefill step the loop polls at once, then after every 10
+    decode steps. A request arriving in decode step 3 of a long request waits for the poll before step 11 and is
+    prefilled there (polling every step: in step 4); one arriving at an idle server starts at once."""
+    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                             max_model_len=512)
+
+    def first_step_of(request_id: int, result) -> int:
+        return next(i for i, step in enumerate(result.steps) if any(rid == request_id for rid, _, _ in step.batch))
+
+    for interval, expected in ((1, 4), (10, 11)):
+        simulation = Simulation(config, model_step_time(toy_step), receive_interval=interval)
+        result = simulation.run([RequestSpec(0, 0.0, 100, 40), RequestSpec(1, 0.035, 50, 5),
+                                 RequestSpec(2, 5.0, 50, 5)])
+        step = result.steps[first_step_of(1, result)]
+        assert result.steps[3].start_s < 0.035 < result.steps[4].start_s
+        assert first_step_of(1, result) == expected and step.batch == [(0, 100 + expected - 1, 1), (1, 0, 50)]
+        idle = result.steps[first_step_of(2, result)]
+        assert idle.start_s == 5.0 and idle.batch == [(2, 0, 50)]
+    with pytest.raises(PlannerError, match="receive interval must be a positive integer of steps, got 0"):
+        Simulation(config, model_step_time(toy_step), receive_interval=0)

@@ -65,11 +65,12 @@ class Deployment:
     dense_tensor_parallel: int | None = None    # under data-parallel attention (SGLang's --moe-dense-tp-size)
     two_batch_overlap: bool = False         # two micro-batches hide the all-to-alls (SGLang, DeepSeek)
     engine: str | None = None               # the serving engine whose fit prices it (None: every engine's fit)
+    scheduler_recv_interval: int = 1        # SGLang's --scheduler-recv-interval: decode steps between polls
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:
             raise PlannerError(f"the GPU-hour price must be >= 0 USD, got {self.gpu_hour_usd!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "context"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "context", "scheduler_recv_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PlannerError(f"{name.replace('_', ' ')} must be a positive integer, got {value!r}")

@@ -105,6 +105,8 @@ def _common_options(d: Deployment, vllm: list[str], sglang: list[str],
     sglang += [f"--max-running-requests {d.max_num_seqs * replicas}",
                f"--chunked-prefill-size {d.max_num_batched_tokens * replicas}",
                f"--context-length {d.context}", f"--mem-fraction-static {d.utilization}"]
+    if d.scheduler_recv_interval > 1:
+        sglang.append(f"--scheduler-recv-interval {d.scheduler_recv_interval}")
     return vllm, sglang
 
 

@@ -29,11 +29,12 @@ class SimulationSetup:
     replicas: int
     request_overhead_s: float = 0.0
     speculation: Speculation | None = None
+    receive_interval: int = 1           # decode steps between the scheduler's polls for requests
 
     def simulation(self, **options: Any) -> Simulation:
         """A simulation of the deployment (`Simulation`'s options: router, record_steps, progress, give_up)."""
         return Simulation(self.config, self.step_time, self.replicas, request_overhead_s=self.request_overhead_s,
-                          speculation=self.speculation, **options)
+                          speculation=self.speculation, receive_interval=self.receive_interval, **options)
 
 
 def simulation_setup(deployment: Deployment) -> SimulationSetup:
@@ -44,7 +45,8 @@ def simulation_setup(deployment: Deployment) -> SimulationSetup:
                            f"{deployment.hardware} with {deployment.weights} weights")
     speculation = deployment.speculation and with_draft_cost(deployment.speculation, deployment.model)
     return SimulationSetup(scheduler_config(plan, deployment), model_step_time(result.step_seconds, result.index_topk),
-                           plan.parallel.replicas, result.request_overhead_s, speculation)
+                           plan.parallel.replicas, result.request_overhead_s, speculation,
+                           deployment.scheduler_recv_interval)
 
 
 def scheduler_config(plan: MemoryPlan, deployment: Deployment) -> SchedulerConfig:

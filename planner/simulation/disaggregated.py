@@ -115,7 +115,8 @@ class DisaggregatedSimulation(Simulation):
         self.prefill_config = prefill_config
         self._pool = PrefillPool(self)
         self.prefill = [Replica(self.env, replicas + index, prefill_config, prefill_step_time, self._pool,
-                                options.get("fast_forward", True) and not self.record_steps)
+                                options.get("fast_forward", True) and not self.record_steps,
+                                receive_interval=options.get("receive_interval", 1))
                         for index in range(prefill_replicas)]
         if link.pack is not None:
             for replica in self.prefill:

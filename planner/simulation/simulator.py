@@ -13,6 +13,12 @@ With prefix caching (`SchedulerConfig.enable_prefix_caching`) a prompt's tokens 
 with `prompt_ids` has those (after its predecessor's prompt and answer, for a later turn of a session); one without
 shares no page with any other, so that it hits only its own pages (after a preemption), as in the engine.
 
+A replica may take new requests in only every so many decode steps, as SGLang's scheduler does with
+`--scheduler-recv-interval N` (`sglang/srt/managers/scheduler_recv_skipper.py`): its loop polls the tokenizer for
+requests once the steps since the last poll weigh N, a decode step (or a verification) weighing 1 and any step that
+computed a prompt chunk weighing N, so it polls right after a prefill and while idle. Requests that arrive between
+polls wait in the replica's inbox; their TTFT includes that wait.
+
 With speculative decoding (`planner.simulation.speculation`) a decoding sequence proposes drafts before each
 `schedule()` and, after the step, as many stand as the acceptance draws (seeded per replica); the scheduler and
 the block manager verify and roll back as the engine does.
@@ -160,9 +166,13 @@ class Replica:
     """One engine: its scheduler and allocator, and the process that steps them."""
 
     def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
-                 sim: Simulation, fast_forward: bool = False, speculation: Speculation | None = None) -> None:
+                 sim: Simulation, fast_forward: bool = False, speculation: Speculation | None = None,
+                 receive_interval: int = 1) -> None:
         self.env = env
         self.index = index
+        self.receive_interval = receive_interval
+        self.inbox: list[Sequence] = []     # submitted, not yet polled (`receive_interval` above 1)
+        self._since_poll = receive_interval     # the weight of the steps since the last poll
         self.speculation = speculation
         self.rng = random.Random(index)     # speculative drafts and their acceptance, seeded per replica
         fast_forward = fast_forward and speculation is None     # a window's decodes would carry drafts
@@ -180,8 +190,25 @@ class Replica:
         env.process(self.run())
 
     def submit(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        if self.receive_interval > 1:
+            self.inbox.append(seq)
+        else:
+            self.scheduler.add(seq)
         self._wake()
+
+    def _poll(self) -> None:
+        """Hands the inbox to the scheduler where the loop polls now: enough steps' weight since the last poll
+        (found empty or not, a poll starts the count again), or nothing to step (an idle loop polls at once)."""
+        if self._since_poll >= self.receive_interval or not self.scheduler.has_unfinished():
+            for seq in self.inbox:
+                self.scheduler.add(seq)
+            self.inbox.clear()
+            self._since_poll = 0
+
+    def _weigh(self, output: SchedulerOutput) -> None:
+        """A decode step (verifications included) weighs 1 toward the next poll; a step with a prompt chunk, all."""
+        extends = any(not item.is_decode and not item.drafts for item in output.chunks)
+        self._since_poll += self.receive_interval if extends else 1
 
     def receive(self, seq: Sequence) -> None:
         """A request whose prompt a prefill replica computed and handed over (disaggregated serving)."""
@@ -198,6 +225,7 @@ class Replica:
         scheduler, env, sim = self.scheduler, self.env, self.sim
         timings = sim.timings
         while True:
+            self._poll()
             if not scheduler.has_unfinished():
                 yield self.wakeup
                 self.wakeup = env.event()
@@ -218,6 +246,7 @@ class Replica:
                 duration += self.draft_seconds(output)
             self.steps += 1
             yield env.timeout(duration)
+            self._weigh(output)
             sim.note_step(self.index, start, duration, output, scheduler.block_manager.num_used_pages,
                           len(scheduler.running))
             now = env.now
@@ -264,7 +293,7 @@ class Replica:
     def decode_window(self):
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
         none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
-        (an arrival ends the window after the step it came in). Each step is priced from the shape the scheduler
+        (an arrival ends the window after the step it came in, or after the step the loop would poll it in). Each step is priced from the shape the scheduler
         would have given it and timed by its own SimPy timeout, so the clock is the step-by-step one; only the
         per-sequence bookkeeping is done once for the whole window. Returns the steps taken (0: none could)."""
         scheduler = self.scheduler
@@ -307,6 +336,11 @@ class Replica:
             self.steps += 1
             yield env.timeout(duration)
             sim.note_step(self.index, start, duration, None, used, count)
+            self._since_poll += 1
+            if self._since_poll >= self.receive_interval:
+                if self.inbox:
+                    break
+                self._since_poll = 0        # the loop polls and finds nothing
             if len(scheduler.waiting) + len(scheduler.arrivals) != waiting:
                 break
         scheduler.advance_decodes(steps)
@@ -320,18 +354,24 @@ class Simulation:
     def __init__(self, config: SchedulerConfig, step_time: StepTime, replicas: int = 1,
                  router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
                  give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True,
-                 request_overhead_s: float = 0.0, speculation: Speculation | None = None) -> None:
+                 request_overhead_s: float = 0.0, speculation: Speculation | None = None,
+                 receive_interval: int = 1) -> None:
         """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
         says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
         stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form).
         `request_overhead_s`: each request reaches the scheduler that long after it arrives (the API server's time,
-        `StepParameters.request_overhead_s`); its TTFT and end-to-end latency include it."""
+        `StepParameters.request_overhead_s`); its TTFT and end-to-end latency include it. `receive_interval`: the
+        decode steps between a replica's polls for new requests (SGLang's `--scheduler-recv-interval`; 1: every
+        step)."""
         if router not in ROUTERS:
             raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
         if not isinstance(replicas, int) or replicas <= 0:
             raise PlannerError(f"the number of replicas must be a positive integer, got {replicas!r}")
         if not (math.isfinite(request_overhead_s) and request_overhead_s >= 0):
             raise PlannerError(f"the request overhead must be >= 0 seconds, got {request_overhead_s!r}")
+        if not isinstance(receive_interval, int) or receive_interval < 1:
+            raise PlannerError(f"the scheduler's receive interval must be a positive integer of steps, got "
+                               f"{receive_interval!r}")
         self.config = config
         self.request_overhead_s = request_overhead_s
         self.env = simpy.Environment()
@@ -343,8 +383,8 @@ class Simulation:
         self.step_count = 0
         self.router = router
         self._round_robin = itertools.cycle(range(replicas))
-        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps, speculation)
-                         for i in range(replicas)]
+        self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps, speculation,
+                                 receive_interval) for i in range(replicas)]
         self._closed_loop: Callable[[int], None] | None = None
         self._followers: dict[int, RequestSpec] = {}        # a session's next turn, by the request it follows
         self._transcripts: dict[int, list[int]] = {}        # prompt + answer of a request someone follows
