@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from planner.benchmarks.fit import (
@@ -17,14 +18,16 @@ from planner.benchmarks.fit import (
     fit_points,
     initial_parameters,
     point_deployment,
+    point_workload,
     predictions,
     replay,
 )
 from planner.benchmarks.formats import BenchmarkPoint, Measurement, PointDefaults, read_benchmarks
 from planner.calibration.parameters import PUBLIC_BENCHMARKS, load_calibration
-from planner.cost.step_model import StepParameters
+from planner.cost.step_model import StepParameters, combine, step_terms
 from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError
+from planner.simulation.simulator import Simulation, model_step_time
 
 DATA = Path(__file__).resolve().parent / "data" / "benchmarks"
 REPO = Path(__file__).resolve().parent.parent
@@ -236,8 +239,6 @@ def test_committed_public_calibration_is_the_default_with_error_bars():
 def test_range_ratios_llmperf_latency_and_engine_defaults(tmp_path):
     """Lengths drawn over [ratio x L, L] (the nominal from a run's totals), LLMPerf's per-request E2E / output tokens
     predicted as such, and the engine's own batch limits where the row states none."""
-    from planner.benchmarks.fit import point_workload
-
     path = tmp_path / "points.csv"
     path.write_text("model,hardware,gpus,weights,kv_dtype,input_tokens,output_tokens,total_input_tokens,"
                     "total_output_tokens,num_prompts,concurrency,itl_ms,itl_stat,engine,length_range_ratio,source\n"
@@ -260,3 +261,28 @@ def test_range_ratios_llmperf_latency_and_engine_defaults(tmp_path):
     assert per_token > median_gap * 1.01            # the TTFT spread over the output tokens raises it
     with pytest.raises(PlannerError, match="ttft is given as 'llmperf'"):
         Measurement("ttft", 0.1, "llmperf")
+
+
+def test_a_run_of_num_prompts_and_a_scheduler_that_polls_every_n_steps():
+    """A closed loop replays the run's own number of prompts (its first burst weighs as much as in the run); SGLang's
+    `--scheduler-recv-interval 30` keeps arrivals out for up to 30 decode steps: a higher TTFT, no higher TPOT (what
+    arrives in between is prefilled together), and the replay still re-prices to the simulator's own figures."""
+    (point,) = [p for p in synthetic_points(SPECS[:1]) if p.concurrency == 8]
+    assert point_workload(point).num_requests == 24                  # three requests a user where the run is unknown
+    assert point_workload(replace(point, num_prompts=80)).num_requests == 80
+    run = replace(point, num_prompts=80, length_range_ratio=0.5)    # lengths drawn: requests end apart
+    polled = replace(run, scheduler_recv_interval=30)
+    figures = {}
+    for name, item in (("every step", run), ("every 30", polled)):
+        setup = PointSetup.of(item)
+        figures[name] = replay(setup, TRUTH).predict(TRUTH)
+    assert figures["every 30"]["ttft"] > figures["every step"]["ttft"] + 5 * figures["every step"]["tpot"]
+    assert figures["every 30"]["tpot"] <= figures["every step"]["tpot"]     # prompts batched: fewer decodes slowed
+    setup = PointSetup.of(polled)
+    step_time = model_step_time(lambda shape: combine(step_terms(setup.costs, shape), setup.peaks, TRUTH))
+    direct = Simulation(setup.config, step_time, request_overhead_s=TRUTH.request_overhead_s, receive_interval=30,
+                        record_steps=False).run(point_workload(polled))
+    assert figures["every 30"]["ttft"] == pytest.approx(float(np.median([t.ttft_s for t in direct.timings])),
+                                                        rel=1e-9)
+    with pytest.raises(PlannerError, match="receive interval must be a positive number of steps, got 0"):
+        replace(point, scheduler_recv_interval=0)

@@ -116,19 +116,23 @@ def point_deployment(point: BenchmarkPoint) -> Deployment:
                       kv_dtype=point.kv_dtype, tensor_parallel=point.tensor_parallel,
                       expert_parallel=point.expert_parallel, attention_data_parallel=point.attention_data_parallel,
                       max_num_seqs=point.max_num_seqs or seqs,
-                      max_num_batched_tokens=point.max_num_batched_tokens or tokens)
+                      max_num_batched_tokens=point.max_num_batched_tokens or tokens,
+                      scheduler_recv_interval=point.scheduler_recv_interval or 1)
 
 
 def point_workload(point: BenchmarkPoint, seed: int = 0) -> Workload:
     """The point's load: its concurrency as a closed loop of users without think time, or Poisson at its rate; its
-    lengths fixed, or uniform over [ratio x L, L] where the benchmark client drew them so."""
+    lengths fixed, or uniform over [ratio x L, L] where the benchmark client drew them so. A closed loop sends the
+    run's `num_prompts` where the point states it (up to `MAX_CLOSED_REQUESTS`): its first burst of `concurrency`
+    requests at once then weighs in the figures as much as it did in the run; else `CLOSED_LOOP_WAVES` per user."""
     lengths = {"prompt": point_lengths(point.input_tokens, point.length_range_ratio),
                "output": point_lengths(point.output_tokens, point.length_range_ratio)}
     if point.concurrency is not None:
-        requests = max(min(CLOSED_LOOP_WAVES * point.concurrency, MAX_CLOSED_REQUESTS), point.concurrency,
-                       MIN_CLOSED_REQUESTS)
         if point.num_prompts is not None:
-            requests = min(requests, max(point.num_prompts, point.concurrency))
+            requests = max(min(point.num_prompts, MAX_CLOSED_REQUESTS), point.concurrency)
+        else:
+            requests = max(min(CLOSED_LOOP_WAVES * point.concurrency, MAX_CLOSED_REQUESTS), point.concurrency,
+                           MIN_CLOSED_REQUESTS)
         return Workload(arrival="closed", num_requests=requests, users=point.concurrency, seed=seed, **lengths)
     requests = min(point.num_prompts or OPEN_LOOP_REQUESTS, OPEN_LOOP_REQUESTS)
     return Workload(arrival="poisson", num_requests=requests, rate=point.request_rate, seed=seed, **lengths)
@@ -149,6 +153,7 @@ class PointSetup:
     peaks: Peaks
     config: SchedulerConfig
     replicas: int
+    receive_interval: int = 1       # decode steps between the scheduler's polls for requests
 
     @classmethod
     def of(cls, point: BenchmarkPoint) -> PointSetup:
@@ -167,7 +172,8 @@ class PointSetup:
             raise PlannerError(f"{where}: {point.model} with {point.weights} weights does not fit on {point.gpus} x "
                                f"{point.hardware} with a request of {length} tokens: the point contradicts its "
                                f"deployment")
-        return cls(point, costs, peaks, scheduler_config(plan, deployment), plan.parallel.replicas)
+        return cls(point, costs, peaks, scheduler_config(plan, deployment), plan.parallel.replicas,
+                   deployment.scheduler_recv_interval)
 
     def scaled(self, terms: StepTerms) -> StepTerms:
         """The terms in seconds at peak rates (bytes over the bandwidth, FLOPs over the FLOP/s): steps of points on
@@ -255,7 +261,8 @@ def replay(setup: PointSetup, params: StepParameters, seed: int = 0) -> Replay:
 
     recorder = StepRecorder(seconds, setup.costs.index_topk)
     result = Simulation(setup.config, recorder, setup.replicas, record_steps=False,
-                        request_overhead_s=params.request_overhead_s).run(point_workload(setup.point, seed))
+                        request_overhead_s=params.request_overhead_s,
+                        receive_interval=setup.receive_interval).run(point_workload(setup.point, seed))
     replicas = [recorder.replicas[index] for index in sorted(recorder.replicas)]
     offsets = np.cumsum([0] + [len(rec.shapes) for rec in replicas])
     shapes = [shape for rec in replicas for shape in rec.shapes]

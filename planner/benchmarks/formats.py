@@ -36,7 +36,8 @@ CSV_COLUMNS = ("published_model", "model", "hardware", "gpus", "tensor_parallel"
                "kv_dtype", "input_tokens", "output_tokens", "total_input_tokens", "total_output_tokens", "concurrency",
                "request_rate", "num_prompts", "speculative", "tpot_ms",
                "tpot_stat", "itl_ms", "itl_stat", "ttft_ms", "ttft_stat", "output_tokens_per_s", "engine",
-               "engine_version", "date", "source", "quote", "length_range_ratio", "settings_source", "inferred")
+               "engine_version", "date", "source", "quote", "length_range_ratio", "settings_source", "inferred",
+               "scheduler_recv_interval")
 HELD_OUT_FAMILIES = ("kimi-k2.6", "glm-5.2")    # the catalogue's own check: never in a committed fit
 
 
@@ -104,6 +105,7 @@ class BenchmarkPoint:
     # lengths drawn uniformly from [ratio x L, L] of the nominal L in input_tokens / output_tokens, as benchmark
     # clients' --random-range-ratio does (None: every request of those lengths)
     length_range_ratio: float | None = None
+    scheduler_recv_interval: int | None = None  # SGLang's `--scheduler-recv-interval`: decode steps between polls
     label: str = field(default="", compare=False)     # where in its file: "name.csv:12", "run.jsonl:2"
 
     def __post_init__(self) -> None:
@@ -122,6 +124,9 @@ class BenchmarkPoint:
             raise PlannerError(f"{where}: no TPOT, ITL, TTFT or output throughput measured")
         if self.length_range_ratio is not None and not 0 <= self.length_range_ratio <= 1:
             raise PlannerError(f"{where}: the length range ratio must be in [0, 1], got {self.length_range_ratio!r}")
+        if self.scheduler_recv_interval is not None and self.scheduler_recv_interval < 1:
+            raise PlannerError(f"{where}: the scheduler's receive interval must be a positive number of steps, got "
+                               f"{self.scheduler_recv_interval!r}")
 
     @property
     def held_out(self) -> bool:
@@ -381,7 +386,8 @@ def _csv_point(row: dict[str, str], where: str, defaults: PointDefaults) -> Benc
     stated = {name: _csv_value(row, name, convert, where) for name, convert in
               (("hardware", str), ("gpus", int), ("weights", str), ("kv_dtype", str), ("tensor_parallel", int),
                ("expert_parallel", _flag))}
-    limits = {name: _csv_value(row, name, int, where) for name in ("max_num_seqs", "max_num_batched_tokens")}
+    limits = {name: _csv_value(row, name, int, where)
+              for name in ("max_num_seqs", "max_num_batched_tokens", "scheduler_recv_interval")}
     prompts = _csv_value(row, "num_prompts", int, where)
     ratio = _csv_value(row, "length_range_ratio", float, where)
     lengths = {}
