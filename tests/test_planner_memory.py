@@ -311,6 +311,18 @@ def test_hardware_catalogue_is_complete():
     assert "public measurements" in evaluate(Deployment("llama-3.1-8b", "h100-sxm", 1, "fp8", "fp8")).parameters_source
 
 
+def test_the_h800_is_an_h100_with_a_slower_nvlink():
+    """Its die is the H100 SXM's: the fits made there price it (one GPU: the same answer), and only what crosses
+    NVLink slows down (a tensor-parallel group's all-reduces)."""
+    h800, h100 = get_hardware("h800"), get_hardware("h100-sxm")
+    assert h800.same_silicon_as == "h100-sxm" and h800.link_bytes_per_s < h100.link_bytes_per_s
+    one = [evaluate(Deployment("llama-3.1-8b", kind, 1, "fp8", "fp8")) for kind in ("h800", "h100-sxm")]
+    assert one[0].parameters_source == one[1].parameters_source and "public measurements" in one[0].parameters_source
+    assert one[0].decode_step_s == pytest.approx(one[1].decode_step_s, rel=1e-12)
+    eight = [evaluate(Deployment("llama-3.1-70b", kind, 8, "fp8", "fp8")) for kind in ("h800", "h100-sxm")]
+    assert eight[0].decode_step_s > eight[1].decode_step_s
+
+
 @pytest.mark.parametrize("config, total, active", [
     (dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,

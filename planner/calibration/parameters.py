@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.core.step_shape import engine_version
 from planner.catalog.engines import ENGINE_NAMES, check_engine, engine_calibration
-from planner.catalog.hardware import HardwareSpec
+from planner.catalog.hardware import HardwareSpec, get_hardware
 from planner.cost.step_model import (
     MeasuredLinears,
     Peaks,
@@ -182,7 +182,7 @@ def _fitted_parameters(hardware: HardwareSpec, model: str, weights: str, kv_dtyp
                                f"{model} {weights}/kv {kv_dtype}; give --calibration")
         return DeploymentParameters(StepParameters(), None, "defaults (no calibration for this hardware: no error bar)")
     calibration = load_calibration(path)
-    if hardware.key not in calibration.hardware_kinds:
+    if not hardware.shares_kernels_with(calibration.hardware_kinds):
         raise PlannerError(f"calibration {path!r} was made on {', '.join(map(str, calibration.hardware_kinds))}, "
                            f"not {hardware.key!r}")
     # efficiencies belong to the hardware, kernels and dtypes: a calibration applies to any model's shape; a fit to
@@ -199,4 +199,4 @@ def _public_benchmarks(hardware: str, path: Path = PUBLIC_BENCHMARKS) -> Path | 
     """A committed fit to public measurements (every engine's, or one engine's), where it covers this GPU kind."""
     if not path.exists():
         return None
-    return path if hardware in load_calibration(path).hardware_kinds else None
+    return path if get_hardware(hardware).shares_kernels_with(load_calibration(path).hardware_kinds) else None

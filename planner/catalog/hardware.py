@@ -34,6 +34,7 @@ class HardwareSpec:
     kernel_launch_s: float = 0.0                # host time per kernel an eager step launches
     cuda_graphs: bool = False                   # serving engines capture decode steps in CUDA graphs here
     gpus_per_node: int = 8                      # GPUs one NVLink domain joins; beyond, traffic crosses the NICs
+    same_silicon_as: str | None = None          # the GPU whose die it is (H800: the H100 SXM's): its fits apply
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops_per_s", "link_bytes_per_s",
@@ -46,6 +47,10 @@ class HardwareSpec:
         for name in ("gpu_hour_usd", "allreduce_latency_s", "allreduce_latency_eager_s", "kernel_launch_s"):
             if not getattr(self, name) >= 0:
                 raise PlannerError(f"hardware {self.key!r}: {name} must be >= 0, got {getattr(self, name)!r}")
+
+    def shares_kernels_with(self, kinds: list[str]) -> bool:
+        """Whether fits made on these GPU kinds price this one: one of them, or its die."""
+        return self.key in kinds or self.same_silicon_as in kinds
 
     def collective_latency(self, cuda_graphs: bool) -> float:
         return self.allreduce_latency_s if cuda_graphs else self.allreduce_latency_eager_s
@@ -94,7 +99,11 @@ def catalogue() -> dict[str, HardwareSpec]:
             allreduce_latency_s=entry["allreduce_latency_us"]["cuda_graphs"] * 1e-6,
             allreduce_latency_eager_s=entry["allreduce_latency_us"]["eager"] * 1e-6,
             kernel_launch_s=entry["kernel_launch_us"] * 1e-6, cuda_graphs=entry["cuda_graphs"],
-            gpus_per_node=entry["gpus_per_node"])
+            gpus_per_node=entry["gpus_per_node"], same_silicon_as=entry.get("same_silicon_as"))
+    for spec in specs.values():
+        if spec.same_silicon_as is not None and spec.same_silicon_as not in specs:
+            raise PlannerError(f"hardware {spec.key!r}: same_silicon_as names {spec.same_silicon_as!r}, not in the "
+                               f"catalogue")
     return specs
 
 
