@@ -8,7 +8,9 @@ committed calibration (`planner/profiles/public-benchmarks.calibration.json`) th
 `search` and the dashboard use by default on the GPU kinds it covers.
 
 Then one fit per serving engine family with enough points (`planner.benchmarks.engine_fit`: vLLM, SGLang,
-TensorRT-LLM; an older version joined only where it agrees with the newer one's fit), each written beside it
+TensorRT-LLM; an older version joined only where it agrees with the newer one's fit): the engine's own step
+overheads, bandwidth share and API time over the physics of the every-engine fit in force (this run's, or the
+committed one where this run's is refused), each written beside it
 (`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks), with its leave-one-model-out
 medians beside the every-engine fit's on the same points.
 
@@ -123,7 +125,9 @@ def main() -> None:
     default_rows = with_defaults(setups)
     if not refused:
         Path(args.calibration_out).write_text(json.dumps(document, indent=1) + "\n")
-    engines = engine_calibrations(points, document, CATALOGUE_MAX_CV_PCT)
+    # every engine's own fit keeps the physics of the every-engine fit in force: this one, else the committed one
+    in_force = document if not refused else json.loads(PUBLIC_BENCHMARKS.read_text())
+    engines = engine_calibrations(points, document, CATALOGUE_MAX_CV_PCT, StepParameters(**in_force["parameters"]))
     if args.calibration_out == str(PUBLIC_BENCHMARKS):
         for engine, fitted in engines.items():
             if fitted["document"] is not None:

@@ -10,6 +10,7 @@ import pytest
 from planner.calibration import parameters
 from planner.calibration.parameters import PUBLIC_BENCHMARKS
 from planner.catalog.engines import check_engine, engine_family, minor_version, version_groups
+from planner.cost.step_model import StepParameters
 from planner.deployment.capacity import Deployment, evaluate
 from planner.deployment.commands import deploy_commands
 from planner.errors import PlannerError
@@ -94,6 +95,26 @@ def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monke
     points = read_benchmarks([PUBLIC_BENCHMARKS.parent.parent / "data" / "benchmarks" / "public.csv"])
     trtllm = [point for point in points if point.engine == "trtllm"]
     monkeypatch.setattr(engine_fit, "ENGINES", ("trtllm",))
-    found = engine_fit.engine_calibrations(trtllm, {"cross_validated_rows": []}, 30.0)
+    found = engine_fit.engine_calibrations(trtllm, {"cross_validated_rows": []}, 30.0, StepParameters())
     assert found["trtllm"]["document"] is None
     assert found["trtllm"]["why"].startswith("its points time tokens (TPOT or ITL) on qwen3-32b only")
+
+
+def test_an_engines_fit_keeps_the_shared_physics_and_fits_its_own_terms():
+    """Points made by the simulator at known parameters, as one engine's: its fit frees only the engine's own terms
+    (step overheads, bandwidth share, API time) and keeps the GEMMs' and collectives' rates it is handed, exactly;
+    its own terms come back within 5%."""
+    from dataclasses import replace
+
+    from test_benchmarks import SPECS, TRUTH, synthetic_points
+
+    from planner.benchmarks import engine_fit
+
+    points = [replace(point, engine="sglang", engine_version="0.5.12") for point in synthetic_points(SPECS)]
+    shared = replace(TRUTH, step_overhead_s=2e-3, bandwidth_efficiency=0.5, request_overhead_s=0.1)
+    found = engine_fit.engine_calibrations(points, {"cross_validated_rows": []}, 30.0, shared)["sglang"]
+    parameters = found["document"]["parameters"]
+    for name in found["document"]["shared_with_every_engine"]:
+        assert parameters[name] == getattr(shared, name), name
+    for name in ("step_overhead_s", "bandwidth_efficiency", "request_overhead_s"):
+        assert parameters[name] == pytest.approx(getattr(TRUTH, name), rel=0.05), name

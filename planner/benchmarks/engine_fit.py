@@ -1,11 +1,19 @@
 """One calibration per serving engine (`planner.catalog.engines`): each family's points fitted on their own, an
 older version's points joined only where they agree with the newer ones' fit, leave-one-model-out within the family,
-and beside each figure what the fit over every engine says of the same points."""
+and beside each figure what the fit over every engine says of the same points.
+
+An engine's fit frees only what its own code decides (`ENGINE_TERMS`): its step's host and scheduling overheads,
+its kernels' share of the memory bandwidth, its API server's time per request. The rest is physics it shares with
+every engine on the same GPUs, taken from the fit over every engine in force: the GEMMs' share of peak FLOP/s
+(dense and the experts' grouped ones) and the collectives' latency. One engine's points cannot tell those apart:
+SGLang's (every one a MoE model) fitted them freely to dense GEMMs at 12% of peak beside experts at 1.5 times the
+dense rate, and priced the Kimi K2 pools they had never seen 29-45% low; with the shared physics, within 24%."""
 from __future__ import annotations
 
 from typing import Any
 
 from planner.benchmarks.fit import (
+    FREE,
     PointSetup,
     calibrate_benchmarks,
     error_rows,
@@ -16,9 +24,12 @@ from planner.benchmarks.fit import (
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, BenchmarkPoint
 from planner.catalog.engines import ENGINES, engine_family, version_groups
+from planner.cost.step_model import StepParameters
 from planner.errors import PlannerError
 
 MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
+ENGINE_TERMS = ("step_overhead_s", "seq_overhead_s", "bandwidth_efficiency", "expert_overhead_s",
+                "request_overhead_s")
 VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
 
 
@@ -26,13 +37,14 @@ def fittable(points: list[BenchmarkPoint]) -> list[BenchmarkPoint]:
     return [point for point in points if not point.held_out and not not_replayed(point)]
 
 
-def agreeing_versions(points: list[BenchmarkPoint]) -> tuple[list[BenchmarkPoint], list[dict[str, Any]]]:
+def agreeing_versions(points: list[BenchmarkPoint], shared: StepParameters) -> tuple[list[BenchmarkPoint],
+                                                                                     list[dict[str, Any]]]:
     """The current version's points, with each older version's that its fit predicts within VERSION_AGREEMENT_PCT
     (median |error|); the others kept apart, with their error."""
     current, older = version_groups(points)
     if not older:
         return current, []
-    params, _ = fit_points([PointSetup.of(point) for point in current])
+    params, _ = fit_points([PointSetup.of(point) for point in current], shared, free=ENGINE_TERMS)
     kept, apart = list(current), []
     for version, group in older.items():
         setups = [PointSetup.of(point) for point in group]
@@ -50,10 +62,11 @@ def same_points(rows: list[dict[str, Any]], labels: set[str]) -> dict[str, float
 
 
 def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, Any],
-                        max_cv_median_pct: float) -> dict[str, dict[str, Any]]:
+                        max_cv_median_pct: float, shared: StepParameters) -> dict[str, dict[str, Any]]:
     """Per engine family: its calibration document (None where too few points or models, or where fewer than two of
     its models have a time between tokens measured), what was kept apart, and
-    its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points."""
+    its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points.
+    `shared`: the every-engine fit in force, whose physics every engine's fit keeps."""
     found: dict[str, dict[str, Any]] = {}
     for engine in ENGINES:
         family = [point for point in points if engine_family(point.engine) == engine]
@@ -70,17 +83,18 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
                                                       f"{', '.join(sorted(timed)) or 'no model'} only: a fit cannot "
                                                       f"be cross-validated on its latency"}
             continue
-        kept, apart = agreeing_versions(fitted)
+        kept, apart = agreeing_versions(fitted, shared)
         kept_labels = {point.label for point in kept}
         apart_labels = {point.label for point in fitted if point.label not in kept_labels}
         family_points = [point for point in family if point.label not in apart_labels]
         try:
             document = calibrate_benchmarks(family_points, held_out=HELD_OUT_FAMILIES,
-                                            max_cv_median_pct=max_cv_median_pct,
+                                            max_cv_median_pct=max_cv_median_pct, free=ENGINE_TERMS, start=shared,
                                             described_as=f"public {engine} measurements")
         except PlannerError as error:
             found[engine] = {"document": None, "why": str(error), "kept_apart": apart}
             continue
+        document["shared_with_every_engine"] = [name for name in FREE if name not in ENGINE_TERMS]
         labels = {row["point"] for row in document["cross_validated_rows"]}
         found[engine] = {"document": document, "kept_apart": apart,
                          "cross_validated_median_error_pct": document["cross_validated_median_error_pct"],

@@ -465,13 +465,15 @@ def not_replayed(point: BenchmarkPoint) -> str | None:
 
 def calibrate_benchmarks(points: list[BenchmarkPoint], held_out: Iterable[str] = (),
                          max_cv_median_pct: float = MAX_CV_MEDIAN_PCT, free: tuple[str, ...] = FREE,
-                         rounds: int = ROUNDS, described_as: str = "benchmark points") -> dict[str, Any]:
+                         rounds: int = ROUNDS, described_as: str = "benchmark points",
+                         start: StepParameters | None = None) -> dict[str, Any]:
     """The calibration document: fitted parameters, per-point errors, cross-validated errors and error bars, and
     the held-out models' errors. Points decoded speculatively are left out (listed): the simulator decodes one token
     a step (`not_replayed`). Data-parallel attention ranks run as replicas of their own, each step priced with every
     rank's tokens at the experts. PlannerError where the cross-validated median error of TPOT, ITL or output
     tokens/s (`THRESHOLDED`) is
-    above `max_cv_median_pct`, or where a point contradicts its deployment."""
+    above `max_cv_median_pct`, or where a point contradicts its deployment. What is not `free` keeps its value in
+    `start` (default `initial_parameters`)."""
     held = set(held_out)
     skipped = [{"point": point.label or point.deployment_text, "why": why} for point in points
                if (why := not_replayed(point))]
@@ -480,7 +482,7 @@ def calibrate_benchmarks(points: list[BenchmarkPoint], held_out: Iterable[str] =
     kept_out = [setup for setup in setups if setup.point.model in held]
     if not fitted:
         raise PlannerError("every point is held out or speculative: nothing to fit")
-    params, replays = fit_points(fitted, rounds=rounds, free=free)
+    params, replays = fit_points(fitted, start, rounds=rounds, free=free)
     rows = error_rows(fitted, predictions(fitted, params), "fitted")
     kind, cross_rows = cross_validate(fitted, params, replays, free)
     held_rows = error_rows(kept_out, predictions(kept_out, params), "held_out") if kept_out else []
