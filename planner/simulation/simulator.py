@@ -293,9 +293,10 @@ class Replica:
     def decode_window(self):
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
         none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
-        (an arrival ends the window after the step it came in, or after the step the loop would poll it in). Each step is priced from the shape the scheduler
-        would have given it and timed by its own SimPy timeout, so the clock is the step-by-step one; only the
-        per-sequence bookkeeping is done once for the whole window. Returns the steps taken (0: none could)."""
+        (an arrival ends the window after the step it came in, or after the step the loop would poll it in). Each
+        step is priced from the shape the scheduler would have given it and timed by its own SimPy timeout, so the
+        clock is the step-by-step one; only the per-sequence bookkeeping is done once for the whole window. Returns
+        the steps taken (0: none could)."""
         scheduler = self.scheduler
         manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
         count = len(running)
