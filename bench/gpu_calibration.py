@@ -40,7 +40,7 @@ from planner.benchmarks.fit import (
     refusal,
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
-from planner.calibration.parameters import PUBLIC_BENCHMARKS
+from planner.calibration.parameters import PUBLIC_BENCHMARKS, load_calibration
 from planner.catalog.engines import ENGINE_NAMES, engine_calibration
 from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
@@ -126,8 +126,8 @@ def main() -> None:
     if not refused:
         Path(args.calibration_out).write_text(json.dumps(document, indent=1) + "\n")
     # every engine's own fit keeps the physics of the every-engine fit in force: this one, else the committed one
-    in_force = document if not refused else json.loads(PUBLIC_BENCHMARKS.read_text())
-    engines = engine_calibrations(points, document, CATALOGUE_MAX_CV_PCT, StepParameters(**in_force["parameters"]))
+    shared = StepParameters(**document["parameters"]) if not refused else load_calibration(PUBLIC_BENCHMARKS).parameters
+    engines = engine_calibrations(points, document, CATALOGUE_MAX_CV_PCT, shared)
     if args.calibration_out == str(PUBLIC_BENCHMARKS):
         for engine, fitted in engines.items():
             if fitted["document"] is not None:

@@ -300,7 +300,7 @@ def test_simulated_decode_pool_admits_by_free_pages():
 def test_planned_pools_and_their_deploy_commands():
     from planner.deployment.capacity import Deployment
     from planner.deployment.commands import pool_commands
-    from planner.deployment.disaggregated import parse_pools, plan_summary, split_pools
+    from planner.deployment.disaggregated import disaggregated_setup, parse_pools, plan_summary, split_pools
     from planner.errors import PlannerError
 
     base = Deployment(model="deepseek-v3", hardware="h200", gpus=8, weights="fp8", kv_dtype="fp8")
@@ -319,6 +319,9 @@ def test_planned_pools_and_their_deploy_commands():
         parse_pools("2X")
     with pytest.raises(PlannerError, match="differ in kv_dtype"):
         type(pools)(pools.prefill, Deployment(**{**pools.decode.__dict__, "kv_dtype": "bf16"}))
+    polled = split_pools(dataclasses.replace(base, scheduler_recv_interval=7), *parse_pools("1P3D"))
+    simulation = disaggregated_setup(polled).simulation()
+    assert {replica.receive_interval for replica in simulation.prefill + simulation.replicas} == {7}
 
 
 def test_planner_cli_simulates_disaggregated_pools():

@@ -98,7 +98,8 @@ class DisaggregatedSetup:
     def simulation(self, **options: Any) -> DisaggregatedSimulation:
         return DisaggregatedSimulation(self.prefill.config, self.prefill.step_time, self.prefill.replicas,
                                        self.decode.config, self.decode.step_time, self.decode.replicas, self.link,
-                                       request_overhead_s=self.decode.request_overhead_s, **options)
+                                       self.prefill.receive_interval, request_overhead_s=self.decode.request_overhead_s,
+                                       receive_interval=self.decode.receive_interval, **options)
 
 
 def disaggregated_setup(deployment: DisaggregatedDeployment) -> DisaggregatedSetup:

@@ -101,7 +101,9 @@ class DisaggregatedSimulation(Simulation):
 
     def __init__(self, prefill_config: SchedulerConfig, prefill_step_time: StepTime, prefill_replicas: int,
                  config: SchedulerConfig, step_time: StepTime, replicas: int, link: HandoffLink,
-                 **options: Any) -> None:
+                 prefill_receive_interval: int = 1, **options: Any) -> None:
+        """`prefill_receive_interval`: the prefill replicas' `receive_interval`; the decode replicas' is among the
+        `Simulation` options."""
         if options.get("speculation") is not None:
             raise PlannerError("speculative decoding with disaggregated pools is not simulated yet")
         if not isinstance(prefill_replicas, int) or prefill_replicas <= 0:
@@ -116,7 +118,7 @@ class DisaggregatedSimulation(Simulation):
         self._pool = PrefillPool(self)
         self.prefill = [Replica(self.env, replicas + index, prefill_config, prefill_step_time, self._pool,
                                 options.get("fast_forward", True) and not self.record_steps,
-                                receive_interval=options.get("receive_interval", 1))
+                                receive_interval=prefill_receive_interval)
                         for index in range(prefill_replicas)]
         if link.pack is not None:
             for replica in self.prefill:

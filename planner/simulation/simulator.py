@@ -168,6 +168,9 @@ class Replica:
     def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
                  sim: Simulation, fast_forward: bool = False, speculation: Speculation | None = None,
                  receive_interval: int = 1) -> None:
+        if not isinstance(receive_interval, int) or receive_interval < 1:
+            raise PlannerError(f"the scheduler's receive interval must be a positive integer of steps, got "
+                               f"{receive_interval!r}")
         self.env = env
         self.index = index
         self.receive_interval = receive_interval
@@ -370,9 +373,6 @@ class Simulation:
             raise PlannerError(f"the number of replicas must be a positive integer, got {replicas!r}")
         if not (math.isfinite(request_overhead_s) and request_overhead_s >= 0):
             raise PlannerError(f"the request overhead must be >= 0 seconds, got {request_overhead_s!r}")
-        if not isinstance(receive_interval, int) or receive_interval < 1:
-            raise PlannerError(f"the scheduler's receive interval must be a positive integer of steps, got "
-                               f"{receive_interval!r}")
         self.config = config
         self.request_overhead_s = request_overhead_s
         self.env = simpy.Environment()
