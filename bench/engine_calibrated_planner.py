@@ -20,14 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner.benchmarks.fit import PointSetup, error_rows, median_errors, predictions
-from planner.benchmarks.formats import read_benchmarks
+from planner.benchmarks.formats import catalogue_points
 from planner.calibration.parameters import PUBLIC_BENCHMARKS, Calibration, load_calibration
 from planner.calibration.profile_fit import calibrate, load_profile
 from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
 from planner.errors import PlannerError
 
-CATALOGUE = Path(__file__).resolve().parent.parent / "planner" / "data" / "benchmarks"
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "llama-3.1-8b"
 HARDWARE = ("h100-sxm", "h200")
@@ -42,7 +41,7 @@ def compare(profile_path: str) -> dict:
     profile = load_profile(profile_path)
     engine = Calibration.of(calibrate(profile, max_mape=math.inf), profile_path)
     public = load_calibration(PUBLIC_BENCHMARKS)
-    points = [point for point in read_benchmarks(sorted(CATALOGUE.glob("*.csv")))
+    points = [point for point in catalogue_points()
               if point.model == MODEL and point.hardware in HARDWARE and not point.speculative]
     if not points:
         raise PlannerError(f"the catalogue has no {MODEL} point on {', '.join(HARDWARE)}")

@@ -39,13 +39,12 @@ from planner.benchmarks.fit import (
     predictions,
     refusal,
 )
-from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
+from planner.benchmarks.formats import HELD_OUT_FAMILIES, catalogue_points
 from planner.calibration.parameters import PUBLIC_BENCHMARKS, load_calibration
 from planner.catalog.engines import ENGINE_NAMES, engine_calibration
 from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
 
-CATALOGUE = Path(__file__).resolve().parent.parent / "planner" / "data" / "benchmarks"
 # the catalogue mixes four engines (vLLM, SGLang, TensorRT-LLM, NIM) and two years of their versions: its fit is held
 # to 30%, where one user's files (one engine) are held to `planner calibrate`'s 25% (MAX_CV_MEDIAN_PCT)
 CATALOGUE_MAX_CV_PCT = 30.0
@@ -116,7 +115,7 @@ def main() -> None:
                         help="where to write the fitted calibration (default: the committed one)")
     args = parser.parse_args()
     started = time.perf_counter()
-    points = read_benchmarks(sorted(CATALOGUE.glob("*.csv")))
+    points = catalogue_points()
     document = calibrate_benchmarks(points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
                                     described_as="public measurements")
     refused = refusal(document, CATALOGUE_MAX_CV_PCT)

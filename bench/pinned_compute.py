@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
+from planner.benchmarks.engine_fit import fittable
 from planner.benchmarks.fit import (
     FREE,
     PointSetup,
@@ -25,10 +26,9 @@ from planner.benchmarks.fit import (
     median_errors,
     predictions,
 )
-from planner.benchmarks.formats import HELD_OUT_FAMILIES, read_benchmarks
+from planner.benchmarks.formats import catalogue_points
 from planner.errors import PlannerError
 
-CATALOGUE = Path(__file__).resolve().parent.parent / "planner" / "data" / "benchmarks"
 RESULTS = Path(__file__).resolve().parent / "results"
 SHOWN = 15
 
@@ -40,8 +40,7 @@ def main() -> None:
     if not 0 < args.pin <= 1:
         raise SystemExit(f"error: --pin must be in (0, 1], got {args.pin}")
     started = time.perf_counter()
-    points = [point for point in read_benchmarks(sorted(CATALOGUE.glob("*.csv")))
-              if point.model not in HELD_OUT_FAMILIES and not point.speculative]
+    points = fittable(catalogue_points())
     try:
         setups = [PointSetup.of(point) for point in points]
     except PlannerError as error:
@@ -75,8 +74,8 @@ def main() -> None:
     for item in result["grows_most"]:
         print(f"{item['point'] + ' ' + item['deployment']:62.62s} {item['metric'][:6]:6s} "
               f"{item['free_error_pct']:+6.1f}% {item['pinned_error_pct']:+6.1f}%")
-    print(f"\n{result['wall_s']:.0f} s; parameters: " + json.dumps({k: round(v, 5) for k, v in asdict(pinned).items()
-                                                                    if k in FREE}))
+    print(f"\n{result['wall_s']:.0f} s; parameters: "
+          + json.dumps({name: round(value, 5) for name, value in result["parameters"]["pinned"].items()}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from planner.errors import PlannerError
 PACKAGE = Path(__file__).resolve().parent
 DATA = PACKAGE / "data"               # the catalogues (model configs, hardware, public benchmarks): package data
 PROFILES = PACKAGE / "profiles"       # the committed profiles and calibrations: package data
+BENCHMARKS = DATA / "benchmarks"      # the public serving measurements (*.csv) and wide-EP pools
 
 
 def read_json(path: str | Path, what: str) -> dict[str, Any]:

@@ -91,8 +91,9 @@ def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monke
     could not be cross-validated on latency, so it keeps the every-engine fit and says why."""
     from planner.benchmarks import engine_fit
     from planner.benchmarks.formats import read_benchmarks
+    from planner.files import BENCHMARKS
 
-    points = read_benchmarks([PUBLIC_BENCHMARKS.parent.parent / "data" / "benchmarks" / "public.csv"])
+    points = read_benchmarks([BENCHMARKS / "public.csv"])
     trtllm = [point for point in points if point.engine == "trtllm"]
     monkeypatch.setattr(engine_fit, "ENGINES", ("trtllm",))
     found = engine_fit.engine_calibrations(trtllm, {"cross_validated_rows": []}, 30.0, StepParameters())

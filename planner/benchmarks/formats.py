@@ -26,6 +26,7 @@ from typing import Any
 
 from planner.catalog.models import REPOSITORIES
 from planner.errors import PlannerError
+from planner.files import BENCHMARKS
 
 METRICS = ("tpot", "itl", "ttft", "output_tokens_per_s")
 STATISTICS = ("median", "mean")
@@ -147,6 +148,11 @@ class BenchmarkPoint:
         load = f"c={self.concurrency}" if self.concurrency is not None else f"{self.request_rate:g} req/s"
         return (f"{self.model} {self.gpus}x{self.hardware} {parallel} {self.weights}/kv {self.kv_dtype} "
                 f"{self.input_tokens}/{self.output_tokens} {load}")
+
+
+def catalogue_points() -> list[BenchmarkPoint]:
+    """Every point of the committed catalogue (`planner/data/benchmarks/*.csv`)."""
+    return read_benchmarks(sorted(BENCHMARKS.glob("*.csv")))
 
 
 def read_benchmarks(paths: list[str | Path], defaults: PointDefaults = PointDefaults()) -> list[BenchmarkPoint]:

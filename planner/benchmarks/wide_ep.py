@@ -10,9 +10,9 @@ from typing import Any
 
 from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError
-from planner.files import DATA
+from planner.files import BENCHMARKS
 
-WIDE_EP_POINTS = DATA / "benchmarks" / "wide_ep.json"
+WIDE_EP_POINTS = BENCHMARKS / "wide_ep.json"
 
 
 @dataclass(frozen=True)
