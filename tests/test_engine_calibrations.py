@@ -9,7 +9,8 @@ import pytest
 
 from planner.calibration import parameters
 from planner.calibration.parameters import PUBLIC_BENCHMARKS
-from planner.catalog.engines import check_engine, engine_family, minor_version, version_groups
+from planner.catalog.engines import check_engine, default_limits, engine_family, minor_version, version_groups
+from planner.catalog.hardware import get_hardware
 from planner.cost.step_model import StepParameters
 from planner.deployment.capacity import Deployment, evaluate
 from planner.deployment.commands import deploy_commands
@@ -46,6 +47,18 @@ def test_older_minor_versions_stand_apart_and_unnamed_ones_join_the_newest():
     assert {version: [p.label for p in group] for version, group in older.items()} == {(0, 21): ["c", "f"],
                                                                                       (0, 20): ["e"]}
     assert list(older) == [(0, 21), (0, 20)]
+
+
+def test_an_unstated_limit_is_the_engines_default_on_that_gpu():
+    def limits(engine: str, hardware: str, ranks: int = 1) -> tuple[int, int] | None:
+        gpu = get_hardware(hardware)
+        return default_limits(engine, gpu.memory_bytes / 2**30, ranks, gpu.name)
+
+    assert limits("vllm", "h100-sxm") == (1024, 8192)
+    assert limits("vllm", "a100-80gb") == (256, 2048)       # vLLM leaves an A100 its small defaults, 80 GB or not
+    assert limits("vllm", "l40s") == (256, 2048)
+    assert limits("sglang", "h200", ranks=8) == (2048, 1024)
+    assert limits("other", "h100-sxm") is None
 
 
 def test_an_engine_gets_its_own_fit_where_one_covers_the_gpu_and_says_so_where_none_does(tmp_path, monkeypatch):
@@ -87,14 +100,16 @@ def test_the_engine_chosen_gets_its_command_alone():
 
 
 def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monkeypatch):
-    """TensorRT-LLM's catalogue points time tokens on Qwen3-32B alone (the rest are throughput runs): its own fit
-    could not be cross-validated on latency, so it keeps the every-engine fit and says why."""
+    """TensorRT-LLM's catalogue points without its Qwen3-8B run time tokens on Qwen3-32B alone (the rest are
+    throughput runs): their own fit could not be cross-validated on latency, so it keeps the every-engine fit and
+    says why."""
     from planner.benchmarks import engine_fit
     from planner.benchmarks.formats import read_benchmarks
     from planner.files import BENCHMARKS
 
     points = read_benchmarks([BENCHMARKS / "public.csv"])
-    trtllm = [point for point in points if point.engine == "trtllm"]
+    trtllm = [point for point in points if point.engine == "trtllm" and point.model != "qwen3-8b"]
+    assert {point.model for point in trtllm if point.measured("tpot") or point.measured("itl")} >= {"qwen3-32b"}
     monkeypatch.setattr(engine_fit, "ENGINES", ("trtllm",))
     found = engine_fit.engine_calibrations(trtllm, {"cross_validated_rows": []}, 30.0, StepParameters())
     assert found["trtllm"]["document"] is None

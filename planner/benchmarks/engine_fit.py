@@ -3,7 +3,8 @@ older version's points joined only where they agree with the newer ones' fit, le
 and beside each figure what the fit over every engine says of the same points.
 
 An engine's fit frees only what its own code decides (`ENGINE_TERMS`): its step's host and scheduling overheads,
-its kernels' share of the memory bandwidth, its cost per expert run, its API server's time per request. The rest is physics it shares with
+its kernels' share of the memory bandwidth, its cost per expert run, its API server's time per request, its cost per
+kernel of a prompt step it runs without a CUDA graph. The rest is physics it shares with
 every engine on the same GPUs, taken from the fit over every engine in force: the GEMMs' share of peak FLOP/s
 (dense and the experts' grouped ones) and the collectives' latency. One engine's points cannot tell those apart:
 SGLang's (every one a MoE model) fitted them freely to dense GEMMs at 12% of peak beside experts at 1.5 times the
@@ -29,7 +30,7 @@ from planner.errors import PlannerError
 
 MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
 ENGINE_TERMS = ("step_overhead_s", "seq_overhead_s", "bandwidth_efficiency", "expert_overhead_s",
-                "request_overhead_s")
+                "request_overhead_s", "eager_kernel_s")
 VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
 
 

@@ -54,12 +54,14 @@ UNIT_PEAKS = Peaks(1.0, 1.0, 1.0, 1.0)
 # per step and per sequence, the weights' streaming rate, the GEMMs' share of peak, a cost per routed expert run
 # (MoE batches touch more experts), the all-reduce latency
 # (tensor-parallel points against single-GPU ones), the API server's time per request (TTFT at light load), the
-# experts' grouped GEMMs against the dense ones (a MoE prefill against a dense one)
+# experts' grouped GEMMs against the dense ones (a MoE prefill against a dense one), the cost per kernel of an eager
+# prompt step (TTFT at light load of models of different depths)
 FREE = ("step_overhead_s", "seq_overhead_s", "bandwidth_efficiency", "compute_efficiency", "expert_overhead_s",
-        "collective_latency_s", "request_overhead_s", "expert_gemm_scale")
+        "collective_latency_s", "request_overhead_s", "expert_gemm_scale", "eager_kernel_s")
 TIED = {"gemv_efficiency": "bandwidth_efficiency"}  # a GPU decodes one row with the same kernels as several
 ROUNDS = 2
 PER_STEP_COUNTS = ("collective_latency_s",)     # its term counts per step, whatever the batch
+PER_PROMPT_STEP_COUNTS = ("eager_kernel_s",)    # ... per step that runs prompt tokens: one a request at light load
 # a GPU's kernels reach at most its peak (a profile's CPU efficiencies may exceed the nominal figures)
 GPU_BOUNDS = {name: (0.02, 1.0, 0.1) for name in ("bandwidth_efficiency", "compute_efficiency", "gemv_efficiency",
                                                    "kv_bandwidth_efficiency", "attention_efficiency")}
@@ -109,8 +111,8 @@ def point_deployment(point: BenchmarkPoint) -> Deployment:
     """The deployment a point ran on, with the limits its source states, else its engine's defaults
     (`planner.catalog.engines.default_limits`), else a batch of at least its concurrency and 8192 tokens a step."""
     ranks = point.gpus if point.attention_data_parallel else 1
-    memory_gib = get_hardware(point.hardware).memory_bytes / GIB
-    seqs, tokens = (default_limits(engine_family(point.engine), memory_gib, ranks)
+    gpu = get_hardware(point.hardware)
+    seqs, tokens = (default_limits(engine_family(point.engine), gpu.memory_bytes / GIB, ranks, gpu.name)
                     or (max(DEFAULT_MAX_SEQS, point.concurrency or 0), DEFAULT_BATCHED_TOKENS))
     return Deployment(model=point.model, hardware=point.hardware, gpus=point.gpus, weights=point.weights,
                       kv_dtype=point.kv_dtype, tensor_parallel=point.tensor_parallel,
@@ -332,7 +334,8 @@ class ReplaySet:
 def identifiable(free: tuple[str, ...], together: ReplaySet) -> tuple[str, ...]:
     """The coefficients these points can tell apart: each one's term must be non-zero somewhere; a cost per kernel
     or per collective must also vary between points (one model on one layout has as many of them in every step:
-    the step overhead's twin); the API server's time needs a measured TTFT."""
+    the step overhead's twin; in every prompt step: the API server's time's); the API server's time needs a measured
+    TTFT."""
     def says_something(name: str) -> bool:
         if name == "request_overhead_s":
             return any(m.metric == "ttft" for r in together.replays for m in r.setup.point.measurements)
@@ -341,6 +344,8 @@ def identifiable(free: tuple[str, ...], together: ReplaySet) -> tuple[str, ...]:
         term = getattr(together.terms, TERM_OF[name])
         if name in PER_STEP_COUNTS:
             return np.unique(term).size > 1
+        if name in PER_PROMPT_STEP_COUNTS:     # one depth everywhere: the API server's time per request's twin
+            return np.unique(term[term > 0]).size > 1
         return bool(term.any())
 
     return tuple(name for name in free if says_something(name))
@@ -372,7 +377,7 @@ def initial_parameters() -> StepParameters:
     """Where the fit starts: the documented defaults, with CUDA graphs' overheads (no launch cost: serving engines
     capture their decode steps)."""
     return StepParameters(kernel_launch_s=0.0, step_overhead_s=5e-4, seq_overhead_s=1e-5, expert_overhead_s=5e-6,
-                          collective_latency_s=1e-5, request_overhead_s=0.02)
+                          collective_latency_s=1e-5, request_overhead_s=0.02, eager_kernel_s=1e-5)
 
 
 def fit_points(setups: list[PointSetup], start: StepParameters | None = None, rounds: int = ROUNDS,

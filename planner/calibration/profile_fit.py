@@ -52,6 +52,7 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
           "overlap": (0.0, 1.0, 0.1), "linear_scale": (0.3, 3.0, 0.1), "chunk_overhead_s": (0.0, 0.1, 1e-3),
           "expert_overhead_s": (0.0, 0.05, 1e-4), "collective_latency_s": (0.0, 0.05, 1e-5),
           "link_efficiency": (0.01, 1.5, 0.1), "kernel_launch_s": (0.0, 0.01, 1e-6),
+          "eager_kernel_s": (0.0, 1e-3, 1e-5),
           "request_overhead_s": (0.0, 2.0, 1e-2),
           "expert_gemm_scale": (0.01, 1.5, 0.1), "verify_step_overhead_s": (0.0, 1.0, 1e-3),
           "verify_overhead_s": (0.0, 0.1, 1e-3), "all_to_all_latency_s": (0.0, 0.01, 1e-5),
@@ -61,8 +62,8 @@ BOUNDS = {"step_overhead_s": (0.0, 1.0, 1e-3), "seq_overhead_s": (0.0, 0.1, 1e-5
 # fitted only over profiles of the same model at several depths, else kept at their default (the catalogue's)
 HELD = ("kernel_launch_s",)
 # coefficients a profile never fits: it times steps, not requests; a CPU runs the experts with the dense layers'
-# matmul kernels
-NOT_FROM_PROFILES = ("request_overhead_s", "expert_gemm_scale")
+# matmul kernels; its eager steps' kernels are kernel_launch_s's
+NOT_FROM_PROFILES = ("request_overhead_s", "expert_gemm_scale", "eager_kernel_s")
 # what profiles fitted together must share: everything but the depth (and the timings)
 SAME_SETUP = ("engine_version", "device", "hardware", "model", "weights", "group_size", "kv_dtype", "compute_dtype",
               "integrity", "threads", "tensor_parallel", "expert_parallel", "num_experts", "page_size")
@@ -73,6 +74,7 @@ TERM_OF = {"bandwidth_efficiency": "weight_bytes", "gemv_efficiency": "gemv_weig
            "linear_scale": "measured_linear_s", "chunk_overhead_s": "num_prefills",
            "expert_overhead_s": "expert_calls", "collective_latency_s": "collective_calls",
            "link_efficiency": "collective_wire_bytes", "kernel_launch_s": "kernel_launches",
+           "eager_kernel_s": "eager_kernels",
            "expert_gemm_scale": "expert_flops", "verify_step_overhead_s": "verifying",
            "verify_overhead_s": "num_verifications", "all_to_all_latency_s": "all_to_all_calls",
            "all_to_all_link_efficiency": "all_to_all_link_bytes", "network_efficiency": "all_to_all_network_bytes",

@@ -24,6 +24,7 @@ it reads those experts' weights, and each costs a fixed `expert_overhead` (gathe
     t_step    = step_overhead + seq_overhead × sequences + chunk_overhead × prefill chunks
                 + verify_step_overhead × [step verifies drafts] + verify_overhead × verifications
                 + expert_overhead × experts run + kernel_launch × kernels
+                + eager_kernel × kernels [step runs prompt tokens]
                 + max(t_memory, t_compute) + (1 - overlap) × min(t_memory, t_compute)
 
 Under tensor parallelism every term above is one GPU's share, and the step adds its collectives, which
@@ -244,6 +245,12 @@ class StepParameters:
     # (a CUDA graph replays them all in one launch); for one model it cannot be told from step_overhead_s, so it
     # is fitted only over profiles at several depths, else it comes from the hardware catalogue
     kernel_launch_s: float = 0.0
+    # per kernel of a step that runs prompt tokens, on top of kernel_launch_s: serving engines replay CUDA graphs for
+    # decode-only batches and run a prefill or mixed step eagerly, its kernels dispatched from Python with the host
+    # waiting on the device between layers' parts. Added to the step, not hidden under its GEMMs: the catalogue's
+    # long-prompt TTFTs say so (`docs/results.md`). Fitted to serving benchmarks' TTFTs across models of different
+    # depths; zero for an engine profile (kernel_launch_s)
+    eager_kernel_s: float = 0.0
     # per request, not per step: from its arrival at the server to its admission by the scheduler and its first
     # token's way back (HTTP, tokenization, detokenization): time in the API server, not on the GPU. Fitted to
     # serving benchmarks' TTFTs; zero for an engine profile, which times steps alone
@@ -352,6 +359,7 @@ class StepTerms:
     collective_calls: float = 0.0       # tensor parallelism: collectives per step
     collective_wire_bytes: float = 0.0  # what each GPU sends in them (ring algorithms)
     kernel_launches: float = 0.0        # kernels the step launches
+    eager_kernels: float = 0.0          # the same, where the step runs prompt tokens (no CUDA graph)
     expert_flops: float = 0.0           # the routed experts' part of linear_flops
     verifying: float = 0.0              # 1 for a step that verifies drafts
     num_verifications: float = 0.0      # the verifications in it (not among num_prefills, the prompts' chunks)
@@ -403,6 +411,7 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     prompt_chunks = batch.num_prefills - batch.num_verifications
     verifying = float(batch.num_verifications > 0)
     load = costs.expert_load_factor(batch.new_tokens)
+    eager = float(costs.kernels_per_step) if prompt_chunks else 0.0
     a2a = {"all_to_all_calls": float(costs.all_to_all_calls_per_step),
            "all_to_all_link_bytes": costs.all_to_all_link_bytes_per_token * batch.new_tokens * load,
            "all_to_all_network_bytes": batch.new_tokens * load * (
@@ -412,7 +421,7 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     if linears is not None:
         return StepTerms(0.0, 0.0, 0.0, kv_read + kv_written, expansion, attention, batch.num_seqs,
                          prompt_chunks, linears.seconds(batch.new_tokens, batch.logit_rows), experts, calls, wire,
-                         costs.kernels_per_step, 0.0, verifying, batch.num_verifications, **a2a)
+                         costs.kernels_per_step, eager, 0.0, verifying, batch.num_verifications, **a2a)
     expert_flops = costs.expert_flops_per_token * batch.new_tokens * load
     linear = ((costs.linear_flops_per_token - costs.expert_flops_per_token) * batch.new_tokens + expert_flops
               + costs.head_flops_per_sequence * batch.logit_rows + expansion)
@@ -421,7 +430,7 @@ def step_terms(costs: ModelCosts, batch: BatchShape, linears: MeasuredLinears | 
     one_row = batch.new_tokens == 1
     return StepTerms(0.0 if one_row else weights, weights if one_row else 0.0,
                      costs.dequantized_weight_bytes if widens else 0.0, kv_read + kv_written, linear, attention,
-                     batch.num_seqs, prompt_chunks, 0.0, experts, calls, wire, costs.kernels_per_step,
+                     batch.num_seqs, prompt_chunks, 0.0, experts, calls, wire, costs.kernels_per_step, eager,
                      expert_flops, verifying, batch.num_verifications, **a2a)
 
 
@@ -467,7 +476,7 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
         "fixed": (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
                   + params.chunk_overhead_s * terms.num_prefills + params.verify_step_overhead_s * terms.verifying
                   + params.verify_overhead_s * terms.num_verifications),
-        "launches": params.kernel_launch_s * terms.kernel_launches,
+        "launches": params.kernel_launch_s * terms.kernel_launches + params.eager_kernel_s * terms.eager_kernels,
         "experts": params.expert_overhead_s * terms.expert_calls,
         "measured_linears": params.linear_scale * terms.measured_linear_s,
         "memory": memory_part,
