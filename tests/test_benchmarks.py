@@ -230,7 +230,7 @@ def test_committed_public_calibration_is_the_default_with_error_bars():
     assert summary["uncertainty_pct"]["single_stream_decode_tokens_per_s"] == document["uncertainty_pct"]["single_stream"]
     assert (summary["single_stream_decode_tokens_per_s_low"] < summary["single_stream_decode_tokens_per_s"]
             < summary["single_stream_decode_tokens_per_s_high"])
-    uncalibrated = evaluate(Deployment("llama-3.1-8b", "a100-80gb", 1, weights="bf16", kv_dtype="bf16"))
+    uncalibrated = evaluate(Deployment("llama-3.1-8b", "l40s", 1, weights="bf16", kv_dtype="bf16"))
     assert uncalibrated.summary()["uncertainty_pct"] is None
     assert not [key for key in uncalibrated.summary() if key.endswith(("_low", "_high"))]
     assert "no error bar" in uncalibrated.parameters_source

@@ -50,19 +50,25 @@ MODELS = ("llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "deepseek-v3", "kimi
 @pytest.mark.parametrize("model", MODELS)
 def test_one_gpu_has_no_collective_no_launch_and_no_imbalance_term(model):
     """`planner plan` on one GPU gives the numbers it gave before the multi-GPU terms: with CUDA graphs (the
-    catalogue's default for GPUs) those terms are exactly zero at every batch."""
+    catalogue's default for GPUs) those terms are exactly zero at every batch. A step with a prompt chunk pays its
+    eager dispatch (the engines capture decode-only batches), one GPU or several; a decode-only step does not."""
     capacity = evaluate(Deployment(model=model, hardware="h200", gpus=1, weights="fp8", kv_dtype="fp8", context=4096))
+    eager_kernel_s = step_parameters(get_hardware("h200"), model, "fp8", "fp8").parameters.eager_kernel_s
+    assert eager_kernel_s > 0           # the fit to public measurements prices every one of these
     for batch in (1, 7, 64):
         parts = capacity.step_parts(BatchShape.of([4096] * batch, [(512, 512)]))
         assert parts["communication"] == 0 and parts["launches"] == 0
+        assert parts["prompt_dispatch"] == pytest.approx(eager_kernel_s * get_model(model).kernels_per_step(1))
+        assert capacity.step_parts(BatchShape.of([4096] * batch, []))["prompt_dispatch"] == 0
 
 
 def test_eight_gpus_pay_each_collective_of_the_step():
     """Llama-3.1-70B over 8 H200s, one decode at 8192 tokens: the embedding's all-reduce and two per layer of one
     bf16 hidden state (8192 x 2 bytes), and the all-gather of 128256 / 8 bf16 logits, each at the collectives'
-    latency plus its ring bytes over NVLink (450 GB/s on an H200, 300 on an A100). On the catalogue's defaults (an
-    A100 node: not covered by the committed fit to public benchmarks) that latency is 3 us under CUDA graphs, 6.5 us without, where every
-    kernel also costs 4 us; the H200 is priced at the fitted latency and link efficiency."""
+    latency plus its ring bytes over NVLink (450 GB/s on an H200), or PCIe (32 GB/s on an L40S). On the
+    catalogue's defaults (an L40S node: not covered by the committed fit to public benchmarks) that latency is 15 us
+    under CUDA graphs, 20 us without, where every kernel also costs 4 us; the H200 is priced at the fitted latency
+    and link efficiency."""
     shape = BatchShape.of([8192], [])
     layers, hidden, vocab = 80, 8192, 128256
     wire = 2 * 7 / 8 * (1 + 2 * layers) * hidden * 2 + 7 * vocab // 8 * 2
@@ -72,13 +78,13 @@ def test_eight_gpus_pay_each_collective_of_the_step():
     assert evaluate(h200).step_parts(shape)["communication"] == pytest.approx(
         calls * fitted.collective_latency_s + wire / (450e9 * fitted.link_efficiency), rel=1e-12)
 
-    a100 = Deployment(model="llama-3.1-70b", hardware="a100-80gb", gpus=8, weights="bf16", kv_dtype="bf16")
-    link = get_hardware("a100-80gb").link_bytes_per_s
-    graphs = evaluate(a100)
+    l40s = Deployment(model="llama-3.1-70b", hardware="l40s", gpus=8, weights="bf16", kv_dtype="bf16")
+    link = get_hardware("l40s").link_bytes_per_s
+    graphs = evaluate(l40s)
     assert graphs.parameters_source.startswith("defaults")
-    assert graphs.step_parts(shape)["communication"] == pytest.approx(calls * 3e-6 + wire / link, rel=1e-12)
-    eager = evaluate(replace(a100, cuda_graphs=False))
-    assert eager.step_parts(shape)["communication"] == pytest.approx(calls * 6.5e-6 + wire / link, rel=1e-12)
+    assert graphs.step_parts(shape)["communication"] == pytest.approx(calls * 15e-6 + wire / link, rel=1e-12)
+    eager = evaluate(replace(l40s, cuda_graphs=False))
+    assert eager.step_parts(shape)["communication"] == pytest.approx(calls * 20e-6 + wire / link, rel=1e-12)
     assert eager.step_parts(shape)["launches"] == pytest.approx(get_model("llama-3.1-70b").kernels_per_step(8) * 4e-6)
     assert eager.single_stream_tokens_per_s < graphs.single_stream_tokens_per_s
 

@@ -445,7 +445,8 @@ def collective_terms(costs: ModelCosts, batch: BatchShape) -> tuple[float, float
         + wire_bytes("all_gather", costs.gather_bytes_per_sequence * batch.num_seqs, ranks))
 
 
-STEP_PARTS = ("fixed", "launches", "experts", "measured_linears", "memory", "compute", "communication")
+STEP_PARTS = ("fixed", "launches", "prompt_dispatch", "experts", "measured_linears", "memory", "compute",
+              "communication")
 
 
 def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[str, float]:
@@ -476,7 +477,8 @@ def step_parts(terms: StepTerms, peaks: Peaks, params: StepParameters) -> dict[s
         "fixed": (params.step_overhead_s + params.seq_overhead_s * terms.num_seqs
                   + params.chunk_overhead_s * terms.num_prefills + params.verify_step_overhead_s * terms.verifying
                   + params.verify_overhead_s * terms.num_verifications),
-        "launches": params.kernel_launch_s * terms.kernel_launches + params.eager_kernel_s * terms.eager_kernels,
+        "launches": params.kernel_launch_s * terms.kernel_launches,
+        "prompt_dispatch": params.eager_kernel_s * terms.eager_kernels,
         "experts": params.expert_overhead_s * terms.expert_calls,
         "measured_linears": params.linear_scale * terms.measured_linear_s,
         "memory": memory_part,
