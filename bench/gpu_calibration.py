@@ -148,8 +148,7 @@ def main() -> None:
                        for row in document["rows"] + document["held_out_rows"]],
               "cross_validated_rows": document["cross_validated_rows"],
               "engines": {engine: {key: value for key, value in fitted.items() if key != "document"}
-                          | ({"points": fitted["document"]["num_points"], "models": fitted["document"]["models"],
-                              "parameters": fitted["document"]["parameters"]} if fitted["document"] else {})
+                          | ({"parameters": fitted["document"]["parameters"]} if fitted["document"] else {})
                           for engine, fitted in engines.items()},
               "wall_s": round(time.perf_counter() - started, 1)}
     (RESULTS / "gpu_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -167,7 +166,7 @@ def engine_table(engines: dict) -> list[str]:
     lines = ["", f"{'per engine, leave-one-model-out |error| %':44s} {'TPOT':>7s} {'ITL':>7s} {'TTFT':>7s} "
                  f"{'tok/s':>7s}   (every engine's fit on the same points)"]
     for engine, fitted in engines.items():
-        if fitted["document"] is None:
+        if "cross_validated_median_error_pct" not in fitted:
             lines.append(f"{ENGINE_NAMES[engine]:44s} not fitted: {fitted['why']}")
             continue
         own, every = fitted["cross_validated_median_error_pct"], fitted["every_engine_cross_validated_median_error_pct"]
@@ -177,8 +176,9 @@ def engine_table(engines: dict) -> list[str]:
                           for key in ("tpot", "itl", "ttft", "output_tokens_per_s"))
         apart = "; kept apart: " + ", ".join(f"{item['version']} ({item['median_error_pct']}%)"
                                             for item in fitted["kept_apart"]) if fitted["kept_apart"] else ""
-        lines.append(f"{ENGINE_NAMES[engine] + ' (' + str(fitted['document']['num_points']) + ' points)':44s} "
-                     f"{cells}   ({beside}){apart}")
+        refused = f"; refused, not written: {fitted['why']}" if fitted["document"] is None else ""
+        lines.append(f"{ENGINE_NAMES[engine] + ' (' + str(fitted['points']) + ' points)':44s} "
+                     f"{cells}   ({beside}){apart}{refused}")
     return lines
 
 

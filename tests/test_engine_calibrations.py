@@ -134,3 +134,9 @@ def test_an_engines_fit_keeps_the_shared_physics_and_fits_its_own_terms():
         assert parameters[name] == getattr(shared, name), name
     for name in ("step_overhead_s", "bandwidth_efficiency", "request_overhead_s"):
         assert parameters[name] == pytest.approx(getattr(TRUTH, name), rel=0.05), name
+    assert found["document"]["max_cv_median_pct"] == 30.0      # the threshold it passed, as written
+    cv = found["cross_validated_median_error_pct"]
+    worst = max(cv[metric] for metric in ("tpot", "itl", "output_tokens_per_s") if cv[metric] is not None)
+    refused = engine_fit.engine_calibrations(points, {"cross_validated_rows": []}, worst * 0.99, shared)["sglang"]
+    assert refused["document"] is None and refused["why"].startswith("the fit's leave-one-model-out median error")
+    assert refused["cross_validated_median_error_pct"] == cv and refused["points"] == found["points"]

@@ -11,6 +11,7 @@ SGLang's (every one a MoE model) fitted them freely to dense GEMMs at 12% of pea
 dense rate, and priced the Kimi K2 pools they had never seen 29-45% low; with the shared physics, within 24%."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from planner.benchmarks.fit import (
@@ -22,6 +23,7 @@ from planner.benchmarks.fit import (
     median_errors,
     not_replayed,
     predictions,
+    refusal,
 )
 from planner.benchmarks.formats import HELD_OUT_FAMILIES, BenchmarkPoint
 from planner.catalog.engines import ENGINES, engine_family, version_groups
@@ -66,8 +68,9 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
                         max_cv_median_pct: float, shared: StepParameters) -> dict[str, dict[str, Any]]:
     """Per engine family: its calibration document (None where too few points or models, or where fewer than two of
     its models have a time between tokens measured), what was kept apart, and
-    its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points.
-    `shared`: the every-engine fit in force, whose physics every engine's fit keeps."""
+    its leave-one-model-out medians beside the every-engine fit's cross-validated medians on the same points (also
+    for a fit refused at `max_cv_median_pct`, whose document is None). `shared`: the every-engine fit in force, whose
+    physics every engine's fit keeps."""
     found: dict[str, dict[str, Any]] = {}
     for engine in ENGINES:
         family = [point for point in points if engine_family(point.engine) == engine]
@@ -89,17 +92,23 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
         apart_labels = {point.label for point in fitted if point.label not in kept_labels}
         family_points = [point for point in family if point.label not in apart_labels]
         try:
-            document = calibrate_benchmarks(family_points, held_out=HELD_OUT_FAMILIES,
-                                            max_cv_median_pct=max_cv_median_pct, free=ENGINE_TERMS, start=shared,
+            document = calibrate_benchmarks(family_points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
+                                            free=ENGINE_TERMS, start=shared,
                                             described_as=f"public {engine} measurements")
         except PlannerError as error:
             found[engine] = {"document": None, "why": str(error), "kept_apart": apart}
             continue
-        document["shared_with_every_engine"] = [name for name in FREE if name not in ENGINE_TERMS]
         labels = {row["point"] for row in document["cross_validated_rows"]}
-        found[engine] = {"document": document, "kept_apart": apart,
-                         "cross_validated_median_error_pct": document["cross_validated_median_error_pct"],
-                         "every_engine_cross_validated_median_error_pct": same_points(
-                             every_engine["cross_validated_rows"], labels),
-                         "held_out_median_error_pct": document["held_out_median_error_pct"]}
+        medians = {"cross_validated_median_error_pct": document["cross_validated_median_error_pct"],
+                   "every_engine_cross_validated_median_error_pct": same_points(every_engine["cross_validated_rows"],
+                                                                                labels),
+                   "held_out_median_error_pct": document["held_out_median_error_pct"],
+                   "points": document["num_points"], "models": document["models"]}
+        refused = refusal(document, max_cv_median_pct)
+        if refused:         # not written, not used: its medians still say how far the engine's own fit got
+            found[engine] = {"document": None, "why": refused, "kept_apart": apart, **medians}
+            continue
+        document["max_cv_median_pct"] = max_cv_median_pct
+        document["shared_with_every_engine"] = [name for name in FREE if name not in ENGINE_TERMS]
+        found[engine] = {"document": document, "kept_apart": apart, **medians}
     return found
