@@ -51,8 +51,7 @@ def test_older_minor_versions_stand_apart_and_unnamed_ones_join_the_newest():
 
 def test_an_unstated_limit_is_the_engines_default_on_that_gpu():
     def limits(engine: str, hardware: str, ranks: int = 1) -> tuple[int, int] | None:
-        gpu = get_hardware(hardware)
-        return default_limits(engine, gpu.memory_bytes / 2**30, ranks, gpu.name)
+        return default_limits(engine, get_hardware(hardware), ranks)
 
     assert limits("vllm", "h100-sxm") == (1024, 8192)
     assert limits("vllm", "a100-80gb") == (256, 2048)       # vLLM leaves an A100 its small defaults, 80 GB or not

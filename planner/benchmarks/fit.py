@@ -31,7 +31,6 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from engine.core.config import SchedulerConfig
-from engine.core.memory import GIB
 from engine.core.scheduler import SchedulerOutput
 from engine.core.step_shape import batch_shape
 from planner.benchmarks.formats import LLMPERF, BenchmarkPoint
@@ -111,8 +110,7 @@ def point_deployment(point: BenchmarkPoint) -> Deployment:
     """The deployment a point ran on, with the limits its source states, else its engine's defaults
     (`planner.catalog.engines.default_limits`), else a batch of at least its concurrency and 8192 tokens a step."""
     ranks = point.gpus if point.attention_data_parallel else 1
-    gpu = get_hardware(point.hardware)
-    seqs, tokens = (default_limits(engine_family(point.engine), gpu.memory_bytes / GIB, ranks, gpu.name)
+    seqs, tokens = (default_limits(engine_family(point.engine), get_hardware(point.hardware), ranks)
                     or (max(DEFAULT_MAX_SEQS, point.concurrency or 0), DEFAULT_BATCHED_TOKENS))
     return Deployment(model=point.model, hardware=point.hardware, gpus=point.gpus, weights=point.weights,
                       kv_dtype=point.kv_dtype, tensor_parallel=point.tensor_parallel,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from engine.core.memory import GIB
+from planner.catalog.hardware import HardwareSpec
 from planner.errors import PlannerError
 from planner.files import PROFILES
 
@@ -55,11 +57,10 @@ def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
     return current, dict(sorted(older.items(), reverse=True))
 
 
-def default_limits(engine: str, memory_gib: float, attention_ranks: int = 1,
-                   gpu_name: str = "") -> tuple[int, int] | None:
+def default_limits(engine: str, gpu: HardwareSpec, attention_ranks: int = 1) -> tuple[int, int] | None:
     """The batch limit and tokens per step an engine's server takes when a run does not set them, per replica (a
-    data-parallel attention rank), on a GPU of `memory_gib` named `gpu_name` (vLLM keeps an A100 to its small
-    defaults); None for an engine whose defaults are not known (NIM). Read 2026-12-05:
+    data-parallel attention rank), by the GPU's memory (and, for vLLM, its name: an A100 keeps the small defaults);
+    None for an engine whose defaults are not known (NIM). Read 2026-12-05:
 
     - vLLM's API server, vllm/engine/arg_utils.py `EngineArgs._set_default_args` (the vllm 0.11.0 wheel): "if
       device_memory >= 70 * GiB_bytes and "a100" not in device_name:" ... "UsageContext.OPENAI_API_SERVER: 8192" ...
@@ -70,8 +71,9 @@ def default_limits(engine: str, memory_gib: float, attention_ranks: int = 1,
       model_runner_kv_cache_mixin.py: "estimated = max(min(estimated, 4096), 2048)".
     - trtllm-serve, tensorrt_llm/commands/serve.py takes BuildConfig's defaults, tensorrt_llm/builder.py:
       "max_batch_size: int = 2048", "max_num_tokens: int = 8192" (trtllm-bench picks its own per model)."""
+    memory_gib = gpu.memory_bytes / GIB
     if engine == "vllm":
-        return (1024, 8192) if memory_gib >= 70 and "a100" not in gpu_name.lower() else (256, 2048)
+        return (1024, 8192) if memory_gib >= 70 and "a100" not in gpu.name.lower() else (256, 2048)
     if engine == "sglang":
         return 2048, (8192 if memory_gib < 160 else 16384) // max(1, attention_ranks)
     if engine == "trtllm":
