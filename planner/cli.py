@@ -265,6 +265,10 @@ def _deployment_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-recv-interval", type=int, default=1, metavar="STEPS",
                         help="SGLang's: the scheduler takes new requests in every STEPS decode steps (and after "
                              "each prefill); default 1, every step")
+    parser.add_argument("--batch-wait", default=None, metavar="STEPS:RATIO",
+                        help="TensorRT-LLM's batch waiting: while requests decode, new prompts wait up to STEPS steps "
+                             "until they and the decodes fill RATIO of a step's tokens (batch_wait_timeout_iters, "
+                             "batch_wait_max_tokens_ratio); default none")
     parser.add_argument("--calibration", default=None, help="a calibration from `planner calibrate`")
     parser.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                         help="decode steps in CUDA graphs (default: the catalogue's; off: every kernel launched)")
@@ -315,6 +319,7 @@ def _disaggregated(args: argparse.Namespace, weights: str, kv: str):
 
 def _deployment(args: argparse.Namespace, weights: str, kv: str):
     from planner.deployment.capacity import Deployment
+    from planner.simulation.simulator import BatchWait
     from planner.simulation.speculation import Speculation
 
     return Deployment(model=args.model, hardware=args.hardware, gpus=_gpus(args), weights=weights, kv_dtype=kv,
@@ -329,7 +334,8 @@ def _deployment(args: argparse.Namespace, weights: str, kv: str):
                       gpus_per_node=args.gpus_per_node, redundant_experts=args.redundant_experts,
                       dense_tensor_parallel=args.dense_tp, two_batch_overlap=args.two_batch_overlap,
                       max_num_batched_tokens=args.max_num_batched_tokens, engine=args.engine,
-                      scheduler_recv_interval=args.scheduler_recv_interval)
+                      scheduler_recv_interval=args.scheduler_recv_interval,
+                      batch_wait=None if args.batch_wait is None else BatchWait.parse(args.batch_wait))
 
 
 def _gpus(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from planner.calibration.parameters import PUBLIC_BENCHMARKS, load_calibration
 from planner.cost.step_model import StepParameters, combine, step_terms
 from planner.deployment.capacity import Deployment, evaluate
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, model_step_time
+from planner.simulation.simulator import BatchWait, Simulation, model_step_time
 
 DATA = Path(__file__).resolve().parent / "data" / "benchmarks"
 REPO = Path(__file__).resolve().parent.parent
@@ -286,3 +286,34 @@ def test_a_run_of_num_prompts_and_a_scheduler_that_polls_every_n_steps():
                                                         rel=1e-9)
     with pytest.raises(PlannerError, match="receive interval must be a positive number of steps, got 0"):
         replace(point, scheduler_recv_interval=0)
+
+
+def test_batch_waiting_from_the_csv_holds_prompts_back_in_the_replay(tmp_path):
+    """TensorRT-LLM's `batch_wait_timeout_iters: 20`, `batch_wait_max_tokens_ratio: 0.9` (the InferenceX Llama 1k/1k
+    runs): prompts that arrive while others decode wait up to 20 steps for a fuller batch, so TTFT rises by steps,
+    and the replay re-prices to the simulator's own figures. One column without the other, or a ratio out of range,
+    is refused naming the row."""
+    columns = ("model,hardware,gpus,weights,kv_dtype,input_tokens,output_tokens,concurrency,num_prompts,"
+               "length_range_ratio,tpot_ms,tpot_stat,ttft_ms,ttft_stat,max_num_batched_tokens,batch_wait_timeout_iters,"
+               "batch_wait_max_tokens_ratio\n")
+    row = "qwen3-8b,h100-sxm,1,bf16,bf16,1024,256,16,64,0.8,9,median,80,median,16384"
+    path = tmp_path / "points.csv"
+    path.write_text(columns + row + ",,\n" + row + ",20,0.9\n")
+    plain, waiting = read_benchmarks([path])
+    assert (plain.batch_wait, waiting.batch_wait) == (None, BatchWait(20, 0.9))
+    figures = {}
+    for name, point in (("plain", plain), ("waiting", waiting)):
+        figures[name] = replay(PointSetup.of(point), TRUTH).predict(TRUTH)
+    assert figures["waiting"]["ttft"] > figures["plain"]["ttft"] + 5 * figures["plain"]["tpot"]
+    setup = PointSetup.of(waiting)
+    step_time = model_step_time(lambda shape: combine(step_terms(setup.costs, shape), setup.peaks, TRUTH))
+    direct = Simulation(setup.config, step_time, request_overhead_s=TRUTH.request_overhead_s,
+                        batch_wait=BatchWait(20, 0.9), record_steps=False).run(point_workload(waiting))
+    assert figures["waiting"]["ttft"] == pytest.approx(float(np.median([t.ttft_s for t in direct.timings])),
+                                                       rel=1e-9)
+    for tail, message in ((",20,\n", "needs both batch_wait_timeout_iters and batch_wait_max_tokens_ratio, got 20 "
+                                      "and None"),
+                          (",20,1.5\n", r"points.csv:2: batch waiting's token ratio must be in \(0, 1\], got 1.5")):
+        path.write_text(columns + row + tail)
+        with pytest.raises(PlannerError, match=message):
+            read_benchmarks([path])

@@ -15,6 +15,7 @@ from planner.cost.step_model import StepParameters
 from planner.deployment.capacity import Deployment, evaluate
 from planner.deployment.commands import deploy_commands
 from planner.errors import PlannerError
+from planner.simulation.simulator import BatchWait
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ def test_the_engine_chosen_gets_its_command_alone():
     assert "--scheduler-recv-interval 30" in polled["sglang"]
     assert "--scheduler-recv-interval" not in deploy_commands(Deployment(**{**base.__dict__, "engine": "sglang"}))[
         "sglang"]
+    waiting = deploy_commands(Deployment(**{**base.__dict__, "engine": "trtllm", "batch_wait": BatchWait(20, 0.9)}))
+    assert "batch_wait_timeout_iters: 20\nbatch_wait_max_tokens_ratio: 0.9\n" in waiting["trtllm"]
+    assert "batch_wait" not in text
 
 
 def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monkeypatch):

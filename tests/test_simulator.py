@@ -16,7 +16,7 @@ from planner.cost.step_model import BatchShape
 from planner.deployment.capacity import Deployment
 from planner.deployment.simulate import preemption_onset
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, model_step_time, replayed_step_time
+from planner.simulation.simulator import BatchWait, Simulation, model_step_time, replayed_step_time
 from planner.simulation.workload import LengthDistribution, RequestSpec, Workload, read_trace
 
 
@@ -169,6 +169,14 @@ def test_simulate_cli_json_and_errors():
     zero = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--scheduler-recv-interval", "0"],
                           capture_output=True, text=True, cwd=REPO)
     assert zero.returncode == 2 and "scheduler recv interval must be a positive integer, got 0" in zero.stderr
+    waiting = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--batch-wait", "20:0.9"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert waiting.returncode == 0, waiting.stderr
+    assert json.loads(waiting.stdout)["ttft_p50_s"] > payload["ttft_p50_s"]    # prompts held for a fuller batch
+    garbled = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--batch-wait", "20"],
+                             capture_output=True, text=True, cwd=REPO)
+    assert garbled.returncode == 2 and garbled.stderr.count("\n") == 1
+    assert "batch waiting is STEPS:RATIO (e.g. 20:0.9), got '20'" in garbled.stderr
 
 
 def test_simulator_replays_the_engines_batches(english_prompts):
@@ -247,13 +255,14 @@ def sparse_step(batch: BatchShape) -> float:
     return 0.004 + 1e-4 * batch.num_seqs + 2e-5 * batch.prefill_tokens + 3e-7 * selected
 
 
-@pytest.mark.parametrize("index_topk, num_pages, replicas, receive_interval",
-                         [(0, 400, 1, 1), (96, 400, 2, 1), (0, 60, 1, 1), (0, 400, 2, 7)])
+@pytest.mark.parametrize("index_topk, num_pages, replicas, receive_interval, batch_wait",
+                         [(0, 400, 1, 1, None), (96, 400, 2, 1, None), (0, 60, 1, 1, None), (0, 400, 2, 7, None),
+                          (0, 400, 1, 1, BatchWait(6, 0.5))])
 def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk, num_pages, replicas,
-                                                                     receive_interval, monkeypatch):
+                                                                     receive_interval, batch_wait, monkeypatch):
     """Dense and sparse step prices, two replicas, a pool small enough to preempt, a scheduler that polls for
-    requests every 7 decode steps: the same first tokens, ends, steps, peaks and preemptions, float for float, with
-    windows fast-forwarded or not; and windows did run."""
+    requests every 7 decode steps, one that holds prompts back for a fuller batch: the same first tokens, ends,
+    steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run."""
     from planner.simulation.simulator import Replica
 
     windows = []
@@ -269,7 +278,8 @@ def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk,
     workload = Workload("poisson", 300, rate=3.0, prompt=LengthDistribution("uniform", low=20, high=300),
                         output=LengthDistribution("uniform", low=10, high=300), seed=5)
     results = [Simulation(config, model_step_time(sparse_step, index_topk), replicas, record_steps=False,
-                          fast_forward=fast, receive_interval=receive_interval).run(workload)
+                          fast_forward=fast, receive_interval=receive_interval,
+                          batch_wait=batch_wait).run(workload)
                for fast in (False, True)]
     slow, fast = results
     assert [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in slow.timings] == \
@@ -325,3 +335,33 @@ def test_a_scheduler_polling_every_n_decode_steps_takes_a_request_in_at_the_next
         assert idle.start_s == 5.0 and idle.batch == [(2, 0, 50)]
     with pytest.raises(PlannerError, match="receive interval must be a positive integer of steps, got 0"):
         Simulation(config, model_step_time(toy_step), receive_interval=0)
+
+
+def test_batch_waiting_holds_a_prompt_until_the_batch_fills_or_the_steps_run_out():
+    """TensorRT-LLM's `batch_wait_timeout_iters: 5`, `batch_wait_max_tokens_ratio`: a 50-token prompt arriving in
+    decode step 3 of a long request is put off at five polls and prefilled in step 9 (no waiting: step 4); at a ratio
+    of 0.75 of 256 tokens, a 150-token prompt arriving in step 4 fills the batch (1 decode + 200 prompt tokens) and
+    both start in step 5; one arriving at an idle server starts at once."""
+    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                             max_model_len=512)
+
+    def first_step_of(request_id: int, result) -> int:
+        return next(i for i, step in enumerate(result.steps) if any(rid == request_id for rid, _, _ in step.batch))
+
+    long_one, late, idle = RequestSpec(0, 0.0, 100, 40), RequestSpec(1, 0.035, 50, 5), RequestSpec(9, 5.0, 50, 5)
+    for wait, expected in ((None, 4), (BatchWait(5, 0.9), 9)):
+        result = Simulation(config, model_step_time(toy_step), batch_wait=wait).run([long_one, late, idle])
+        assert result.steps[3].start_s < 0.035 < result.steps[4].start_s
+        assert first_step_of(1, result) == expected
+        assert result.steps[first_step_of(9, result)].start_s == 5.0
+    filled = Simulation(config, model_step_time(toy_step), batch_wait=BatchWait(5, 0.75)).run(
+        [long_one, late, RequestSpec(2, 0.045, 150, 5)])
+    assert filled.steps[4].start_s < 0.045 < filled.steps[5].start_s
+    assert first_step_of(1, filled) == first_step_of(2, filled) == 5
+    assert filled.steps[5].batch == [(0, 104, 1), (1, 0, 50), (2, 0, 150)]
+    for bad, message in (((0, 0.5), "steps must be a positive integer, got 0"),
+                         ((5, 0.0), r"token ratio must be in \(0, 1\], got 0.0")):
+        with pytest.raises(PlannerError, match=message):
+            BatchWait(*bad)
+    with pytest.raises(PlannerError, match="batch waiting is STEPS:RATIO .*, got '20'"):
+        BatchWait.parse("20")

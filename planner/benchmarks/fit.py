@@ -43,7 +43,7 @@ from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameter
 from planner.deployment.capacity import Deployment, catalogue_costs
 from planner.deployment.simulate import scheduler_config
 from planner.errors import PlannerError
-from planner.simulation.simulator import ModelStepTime, Simulation
+from planner.simulation.simulator import BatchWait, ModelStepTime, Simulation
 from planner.simulation.workload import LengthDistribution, Workload
 
 BYTE_TERMS = ("weight_bytes", "gemv_weight_bytes", "dequant_bytes", "kv_bytes")
@@ -117,7 +117,7 @@ def point_deployment(point: BenchmarkPoint) -> Deployment:
                       expert_parallel=point.expert_parallel, attention_data_parallel=point.attention_data_parallel,
                       max_num_seqs=point.max_num_seqs or seqs,
                       max_num_batched_tokens=point.max_num_batched_tokens or tokens,
-                      scheduler_recv_interval=point.scheduler_recv_interval or 1)
+                      scheduler_recv_interval=point.scheduler_recv_interval or 1, batch_wait=point.batch_wait)
 
 
 def point_workload(point: BenchmarkPoint, seed: int = 0) -> Workload:
@@ -154,6 +154,7 @@ class PointSetup:
     config: SchedulerConfig
     replicas: int
     receive_interval: int = 1       # decode steps between the scheduler's polls for requests
+    batch_wait: BatchWait | None = None     # new prompts held back for a fuller batch (TensorRT-LLM's)
 
     @classmethod
     def of(cls, point: BenchmarkPoint) -> PointSetup:
@@ -173,7 +174,7 @@ class PointSetup:
                                f"{point.hardware} with a request of {length} tokens: the point contradicts its "
                                f"deployment")
         return cls(point, costs, peaks, scheduler_config(plan, deployment), plan.parallel.replicas,
-                   deployment.scheduler_recv_interval)
+                   deployment.scheduler_recv_interval, deployment.batch_wait)
 
     def scaled(self, terms: StepTerms) -> StepTerms:
         """The terms in seconds at peak rates (bytes over the bandwidth, FLOPs over the FLOP/s): steps of points on
@@ -262,7 +263,8 @@ def replay(setup: PointSetup, params: StepParameters, seed: int = 0) -> Replay:
     recorder = StepRecorder(seconds, setup.costs.index_topk)
     result = Simulation(setup.config, recorder, setup.replicas, record_steps=False,
                         request_overhead_s=params.request_overhead_s,
-                        receive_interval=setup.receive_interval).run(point_workload(setup.point, seed))
+                        receive_interval=setup.receive_interval,
+                        batch_wait=setup.batch_wait).run(point_workload(setup.point, seed))
     replicas = [recorder.replicas[index] for index in sorted(recorder.replicas)]
     offsets = np.cumsum([0] + [len(rec.shapes) for rec in replicas])
     shapes = [shape for rec in replicas for shape in rec.shapes]

@@ -27,6 +27,7 @@ from typing import Any
 from planner.catalog.models import REPOSITORIES
 from planner.errors import PlannerError
 from planner.files import BENCHMARKS
+from planner.simulation.simulator import BatchWait
 
 METRICS = ("tpot", "itl", "ttft", "output_tokens_per_s")
 STATISTICS = ("median", "mean")
@@ -38,7 +39,7 @@ CSV_COLUMNS = ("published_model", "model", "hardware", "gpus", "tensor_parallel"
                "request_rate", "num_prompts", "speculative", "tpot_ms",
                "tpot_stat", "itl_ms", "itl_stat", "ttft_ms", "ttft_stat", "output_tokens_per_s", "engine",
                "engine_version", "date", "source", "quote", "length_range_ratio", "settings_source", "inferred",
-               "scheduler_recv_interval")
+               "scheduler_recv_interval", "batch_wait_timeout_iters", "batch_wait_max_tokens_ratio")
 HELD_OUT_FAMILIES = ("kimi-k2.6", "glm-5.2")    # the catalogue's own check: never in a committed fit
 
 
@@ -107,6 +108,7 @@ class BenchmarkPoint:
     # clients' --random-range-ratio does (None: every request of those lengths)
     length_range_ratio: float | None = None
     scheduler_recv_interval: int | None = None  # SGLang's `--scheduler-recv-interval`: decode steps between polls
+    batch_wait: BatchWait | None = None     # TensorRT-LLM's batch waiting, where the run set it
     label: str = field(default="", compare=False)     # where in its file: "name.csv:12", "run.jsonl:2"
 
     def __post_init__(self) -> None:
@@ -396,6 +398,15 @@ def _csv_point(row: dict[str, str], where: str, defaults: PointDefaults) -> Benc
               for name in ("max_num_seqs", "max_num_batched_tokens", "scheduler_recv_interval")}
     prompts = _csv_value(row, "num_prompts", int, where)
     ratio = _csv_value(row, "length_range_ratio", float, where)
+    wait_steps = _csv_value(row, "batch_wait_timeout_iters", int, where)
+    wait_ratio = _csv_value(row, "batch_wait_max_tokens_ratio", float, where)
+    if (wait_steps is None) != (wait_ratio is None):
+        raise PlannerError(f"{where}: batch waiting needs both batch_wait_timeout_iters and "
+                           f"batch_wait_max_tokens_ratio, got {wait_steps!r} and {wait_ratio!r}")
+    try:
+        batch_wait = None if wait_steps is None else BatchWait(wait_steps, wait_ratio)
+    except PlannerError as error:
+        raise PlannerError(f"{where}: {error}") from None
     lengths = {}
     for side in ("input", "output"):
         total = _csv_value(row, f"total_{side}_tokens", int, where)
@@ -414,6 +425,6 @@ def _csv_point(row: dict[str, str], where: str, defaults: PointDefaults) -> Benc
         **_deployment(defaults, where, **stated), input_tokens=lengths["input"], output_tokens=lengths["output"],
         measurements=tuple(found), concurrency=concurrency, request_rate=rate, num_prompts=prompts,
         attention_data_parallel=bool(_csv_value(row, "attention_data_parallel", _flag, where)), **limits,
-        length_range_ratio=ratio,
+        length_range_ratio=ratio, batch_wait=batch_wait,
         **{name: (row.get(name) or "").strip() for name in ("engine", "engine_version", "date", "source", "quote",
                                                             "published_model", "speculative")}, label=where)

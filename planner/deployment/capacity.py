@@ -34,6 +34,7 @@ from planner.cost.memory_plan import (
 )
 from planner.cost.step_model import BatchShape, ModelCosts, Peaks, StepParameters, step_parts, step_terms, step_time
 from planner.errors import PlannerError
+from planner.simulation.simulator import BatchWait
 from planner.simulation.speculation import Speculation
 
 HOURS = 3600.0
@@ -66,6 +67,7 @@ class Deployment:
     two_batch_overlap: bool = False         # two micro-batches hide the all-to-alls (SGLang, DeepSeek)
     engine: str | None = None               # the serving engine whose fit prices it (None: every engine's fit)
     scheduler_recv_interval: int = 1        # SGLang's --scheduler-recv-interval: decode steps between polls
+    batch_wait: BatchWait | None = None     # TensorRT-LLM's batch waiting: new prompts held for a fuller batch
 
     def __post_init__(self) -> None:
         if self.gpu_hour_usd is not None and not self.gpu_hour_usd >= 0:

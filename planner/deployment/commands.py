@@ -52,7 +52,7 @@ def _engine_commands(d: Deployment, role: str | None, leader: str) -> dict[str, 
 
 
 def trtllm_command(d: Deployment, leader: str = "HOST0") -> str:
-    """TensorRT-LLM's OpenAI server (PyTorch backend): its options file (attention DP, FP8 KV, the wide-EP MoE backend
+    """TensorRT-LLM's OpenAI server (PyTorch backend): its options file (attention DP, FP8 KV, batch waiting, the wide-EP MoE backend
     with EPLB's slots across nodes) and `trtllm-serve`, under `mpirun` over the nodes' hosts beyond one node."""
     parallel = d.parallel
     model = repository(d.model)
@@ -61,6 +61,9 @@ def trtllm_command(d: Deployment, leader: str = "HOST0") -> str:
         options.append("enable_attention_dp: true")
     if d.kv_dtype in ("fp8", "nvfp4"):
         options += ["kv_cache_config:", f"  dtype: {'fp8' if d.kv_dtype == 'fp8' else 'nvfp4'}"]
+    if d.batch_wait is not None:
+        options += [f"batch_wait_timeout_iters: {d.batch_wait.steps}",
+                    f"batch_wait_max_tokens_ratio: {d.batch_wait.token_ratio}"]
     if parallel.all_to_all and parallel.nodes > 1:
         options += ["moe_config:", "  backend: WIDEEP"]
         if parallel.redundant_experts:

@@ -14,7 +14,7 @@ from planner.cost.memory_plan import (
 from planner.deployment.capacity import Deployment, evaluate
 from planner.deployment.speculative_plan import with_draft_cost
 from planner.errors import PlannerError
-from planner.simulation.simulator import Simulation, SimulationResult, StepTime, model_step_time
+from planner.simulation.simulator import BatchWait, Simulation, SimulationResult, StepTime, model_step_time
 from planner.simulation.speculation import Speculation
 from planner.simulation.workload import Workload
 
@@ -30,11 +30,13 @@ class SimulationSetup:
     request_overhead_s: float = 0.0
     speculation: Speculation | None = None
     receive_interval: int = 1           # decode steps between the scheduler's polls for requests
+    batch_wait: BatchWait | None = None     # new prompts held back for a fuller batch (TensorRT-LLM's)
 
     def simulation(self, **options: Any) -> Simulation:
         """A simulation of the deployment (`Simulation`'s options: router, record_steps, progress, give_up)."""
         return Simulation(self.config, self.step_time, self.replicas, request_overhead_s=self.request_overhead_s,
-                          speculation=self.speculation, receive_interval=self.receive_interval, **options)
+                          speculation=self.speculation, receive_interval=self.receive_interval,
+                          batch_wait=self.batch_wait, **options)
 
 
 def simulation_setup(deployment: Deployment) -> SimulationSetup:
@@ -46,7 +48,7 @@ def simulation_setup(deployment: Deployment) -> SimulationSetup:
     speculation = deployment.speculation and with_draft_cost(deployment.speculation, deployment.model)
     return SimulationSetup(scheduler_config(plan, deployment), model_step_time(result.step_seconds, result.index_topk),
                            plan.parallel.replicas, result.request_overhead_s, speculation,
-                           deployment.scheduler_recv_interval)
+                           deployment.scheduler_recv_interval, deployment.batch_wait)
 
 
 def scheduler_config(plan: MemoryPlan, deployment: Deployment) -> SchedulerConfig:

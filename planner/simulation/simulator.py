@@ -19,6 +19,11 @@ requests once the steps since the last poll weigh N, a decode step (or a verific
 computed a prompt chunk weighing N, so it polls right after a prefill and while idle. Requests that arrive between
 polls wait in the replica's inbox; their TTFT includes that wait.
 
+A replica may also hold new prompts back to batch them, as TensorRT-LLM's executor does with
+`batch_wait_timeout_iters` and `batch_wait_max_tokens_ratio` (`PyExecutor._waiting_requests`, `BatchWait`): while
+requests decode, prompts that arrived wait until, with the decodes, they fill a share of the step's token budget,
+or until they have been put off for so many steps; with nothing decoding they start at once.
+
 With speculative decoding (`planner.simulation.speculation`) a decoding sequence proposes drafts before each
 `schedule()` and, after the step, as many stand as the acceptance draws (seeded per replica); the scheduler and
 the block manager verify and roll back as the engine does.
@@ -54,6 +59,32 @@ ROUTERS = ("round-robin", "least-loaded")
 MIN_WINDOW = 4              # decode steps worth fast-forwarding (fewer: the usual path is as quick)
 
 StepTime = Callable[[SchedulerOutput], float]
+
+
+@dataclass(frozen=True)
+class BatchWait:
+    """TensorRT-LLM's batch waiting (`batch_wait_timeout_iters`, `batch_wait_max_tokens_ratio`): while requests
+    decode, new prompts are put off step after step until the decodes and the prompts the step could take fill
+    `token_ratio` of its token budget, or until they were put off `steps` times. Both must be set: TensorRT-LLM
+    waits for neither alone (a ratio of 0 is always met, a timeout of 0 always reached)."""
+
+    steps: int
+    token_ratio: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise PlannerError(f"batch waiting's steps must be a positive integer, got {self.steps!r}")
+        if not (isinstance(self.token_ratio, (int, float)) and 0 < self.token_ratio <= 1):
+            raise PlannerError(f"batch waiting's token ratio must be in (0, 1], got {self.token_ratio!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> BatchWait:
+        """`STEPS:RATIO`, as `--batch-wait 20:0.9`."""
+        steps, _, ratio = text.partition(":")
+        try:
+            return cls(int(steps), float(ratio))
+        except ValueError:
+            raise PlannerError(f"batch waiting is STEPS:RATIO (e.g. 20:0.9), got {text!r}") from None
 
 
 class SimulatedSequence(Sequence):
@@ -167,15 +198,17 @@ class Replica:
 
     def __init__(self, env: simpy.Environment, index: int, config: SchedulerConfig, step_time: StepTime,
                  sim: Simulation, fast_forward: bool = False, speculation: Speculation | None = None,
-                 receive_interval: int = 1) -> None:
+                 receive_interval: int = 1, batch_wait: BatchWait | None = None) -> None:
         if not isinstance(receive_interval, int) or receive_interval < 1:
             raise PlannerError(f"the scheduler's receive interval must be a positive integer of steps, got "
                                f"{receive_interval!r}")
         self.env = env
         self.index = index
         self.receive_interval = receive_interval
-        self.inbox: list[Sequence] = []     # submitted, not yet polled (`receive_interval` above 1)
+        self.batch_wait = batch_wait
+        self.inbox: list[Sequence] = []     # submitted, not yet taken in (`receive_interval` above 1, `batch_wait`)
         self._since_poll = receive_interval     # the weight of the steps since the last poll
+        self._put_off = 0                   # polls that left the inbox waiting for a fuller batch (`batch_wait`)
         self.speculation = speculation
         self.rng = random.Random(index)     # speculative drafts and their acceptance, seeded per replica
         fast_forward = fast_forward and speculation is None     # a window's decodes would carry drafts
@@ -193,20 +226,46 @@ class Replica:
         env.process(self.run())
 
     def submit(self, seq: Sequence) -> None:
-        if self.receive_interval > 1:
+        if self.receive_interval > 1 or self.batch_wait is not None:
             self.inbox.append(seq)
         else:
             self.scheduler.add(seq)
         self._wake()
 
     def _poll(self) -> None:
-        """Hands the inbox to the scheduler where the loop polls now: enough steps' weight since the last poll
-        (found empty or not, a poll starts the count again), or nothing to step (an idle loop polls at once)."""
-        if self._since_poll >= self.receive_interval or not self.scheduler.has_unfinished():
-            for seq in self.inbox:
-                self.scheduler.add(seq)
-            self.inbox.clear()
+        """Hands the inbox to the scheduler where the loop polls now (enough steps' weight since the last poll:
+        found empty or not, a poll starts the count again) and batch waiting lets it, or where there is nothing to
+        step (an idle loop polls at once and waits for nothing)."""
+        if not self.scheduler.has_unfinished():
+            self._take_inbox()
+        elif self._since_poll >= self.receive_interval:
             self._since_poll = 0
+            if self._batch_ready():
+                self._take_inbox()
+            else:
+                self._put_off += 1
+
+    def _take_inbox(self) -> None:
+        for seq in self.inbox:
+            self.scheduler.add(seq)
+        self.inbox.clear()
+        self._since_poll = 0
+        self._put_off = 0
+
+    def _batch_ready(self) -> bool:
+        """Whether batch waiting lets the inbox's prompts start (an empty inbox: nothing to wait for). As
+        TensorRT-LLM counts them: one token per decoding request, and each prompt whole, those the step's token
+        budget takes in arrival order; with nothing running, no wait."""
+        wait = self.batch_wait
+        if wait is None or not self.inbox or not self.scheduler.running or self._put_off >= wait.steps:
+            return True
+        budget = self.scheduler.config.max_num_batched_tokens
+        tokens = len(self.scheduler.running)
+        for seq in self.inbox:
+            if tokens + seq.num_prompt_tokens > budget:
+                break
+            tokens += seq.num_prompt_tokens
+        return tokens >= wait.token_ratio * budget
 
     def _weigh(self, output: SchedulerOutput) -> None:
         """A decode step (verifications included) weighs 1 toward the next poll; a step with a prompt chunk, all."""
@@ -342,9 +401,10 @@ class Replica:
             sim.note_step(self.index, start, duration, None, used, count)
             self._since_poll += 1
             if self._since_poll >= self.receive_interval:
-                if self.inbox:
+                if self.inbox and self._batch_ready():
                     break
-                self._since_poll = 0        # the loop polls and finds nothing
+                self._since_poll = 0        # the loop polls and finds nothing, or batch waiting puts it off
+                self._put_off += bool(self.inbox)
             if len(scheduler.waiting) + len(scheduler.arrivals) != waiting:
                 break
         scheduler.advance_decodes(steps)
@@ -359,14 +419,14 @@ class Simulation:
                  router: str = "least-loaded", record_steps: bool = True, progress: bool = False,
                  give_up: Callable[[RequestTiming], bool] | None = None, fast_forward: bool = True,
                  request_overhead_s: float = 0.0, speculation: Speculation | None = None,
-                 receive_interval: int = 1) -> None:
+                 receive_interval: int = 1, batch_wait: BatchWait | None = None) -> None:
         """`give_up(timing)`, asked at each request's first token and at its end, stops the simulation when it
         says the outcome is settled (a search's SLO already missed). `fast_forward`: pure decode windows are
         stepped in one go (`Replica.decode_window`; not while recording steps, whose batches it does not form).
         `request_overhead_s`: each request reaches the scheduler that long after it arrives (the API server's time,
         `StepParameters.request_overhead_s`); its TTFT and end-to-end latency include it. `receive_interval`: the
         decode steps between a replica's polls for new requests (SGLang's `--scheduler-recv-interval`; 1: every
-        step)."""
+        step). `batch_wait`: new prompts held back for a fuller batch (TensorRT-LLM's; None: none)."""
         if router not in ROUTERS:
             raise PlannerError(f"unknown router {router!r} (choose from {', '.join(ROUTERS)})")
         if not isinstance(replicas, int) or replicas <= 0:
@@ -385,7 +445,7 @@ class Simulation:
         self.router = router
         self._round_robin = itertools.cycle(range(replicas))
         self.replicas = [Replica(self.env, i, config, step_time, self, fast_forward and not record_steps, speculation,
-                                 receive_interval) for i in range(replicas)]
+                                 receive_interval, batch_wait) for i in range(replicas)]
         self._closed_loop: Callable[[int], None] | None = None
         self._followers: dict[int, RequestSpec] = {}        # a session's next turn, by the request it follows
         self._transcripts: dict[int, list[int]] = {}        # prompt + answer of a request someone follows
