@@ -151,7 +151,12 @@ def test_simulate_cli_json_and_errors():
     args = ["simulate", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--gpus", "1", "--weights", "fp8",
             "--kv", "fp8", "--workload", "poisson", "--rate", "5", "--requests", "200", "--prompt-tokens", "512",
             "--output-tokens", "uniform:50:150", "--json"]
-    result = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=REPO)
+
+    def simulate(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "planner.cli", *args, *extra], capture_output=True, text=True,
+                              cwd=REPO)
+
+    result = simulate()
     assert result.returncode == 0, result.stderr
     payload = json.loads(result.stdout)
     assert set(payload) == {"completed", "throughput_tokens_per_s", "output_tokens_per_s", "ttft_p50_s",
@@ -159,22 +164,17 @@ def test_simulate_cli_json_and_errors():
                             "preemptions", "kv_utilization_peak", "prefix_cache_hit_rate", "cached_tokens_per_request",
                             "sim_wall_s", "uncertainty_pct"}
     assert payload["completed"] == 200 and 0 < payload["kv_utilization_peak"] <= 1
-    bad = subprocess.run([sys.executable, "-m", "planner.cli", *args[:-1], "--workload", "bursty"],
-                         capture_output=True, text=True, cwd=REPO)
+    bad = simulate("--workload", "bursty")
     assert bad.returncode == 2 and "unknown workload 'bursty'" in bad.stderr
-    polled = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--scheduler-recv-interval", "30"],
-                            capture_output=True, text=True, cwd=REPO)
+    polled = simulate("--scheduler-recv-interval", "30")
     assert polled.returncode == 0, polled.stderr
     assert json.loads(polled.stdout)["ttft_p50_s"] > payload["ttft_p50_s"]     # arrivals wait for the next poll
-    zero = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--scheduler-recv-interval", "0"],
-                          capture_output=True, text=True, cwd=REPO)
+    zero = simulate("--scheduler-recv-interval", "0")
     assert zero.returncode == 2 and "scheduler recv interval must be a positive integer, got 0" in zero.stderr
-    waiting = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--batch-wait", "20:0.9"],
-                             capture_output=True, text=True, cwd=REPO)
+    waiting = simulate("--batch-wait", "20:0.9")
     assert waiting.returncode == 0, waiting.stderr
     assert json.loads(waiting.stdout)["ttft_p50_s"] > payload["ttft_p50_s"]    # prompts held for a fuller batch
-    garbled = subprocess.run([sys.executable, "-m", "planner.cli", *args, "--batch-wait", "20"],
-                             capture_output=True, text=True, cwd=REPO)
+    garbled = simulate("--batch-wait", "20")
     assert garbled.returncode == 2 and garbled.stderr.count("\n") == 1
     assert "batch waiting is STEPS:RATIO (e.g. 20:0.9), got '20'" in garbled.stderr
 
