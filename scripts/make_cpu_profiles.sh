@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Remakes the committed CPU profiles of SmolLM2-135M (one per weights/KV combination) and their
-# calibrations, under planner/profiles/. Run on an otherwise idle machine: about 25 minutes.
+# calibrations, under planner/profiles/. Run on an otherwise idle machine: about 50 minutes (the prefix points,
+# prefills over up to 8K cached tokens, take half of it).
 # The engine runs on one thread (a step that waits for two threads on a shared 2-core VM is at the mercy of
 # anything else that runs), computes in fp32, and no step reads more than 16K cached tokens (past that a
 # CPU step takes seconds and leaves the last-level cache). Left out on CPU: bf16 weights (emulated: 7x
