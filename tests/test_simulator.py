@@ -314,18 +314,22 @@ def test_the_api_servers_time_delays_each_request_by_as_much():
         Simulation(config, model_step_time(toy_step), request_overhead_s=-1)
 
 
+# a replica whose intake is tested: one long request decoding, short prompts arriving beside it
+INTAKE_CONFIG = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                                max_model_len=512)
+
+
+def first_step_of(request_id: int, result) -> int:
+    """The first recorded step whose batch holds the request."""
+    return next(i for i, step in enumerate(result.steps) if any(rid == request_id for rid, _, _ in step.batch))
+
+
 def test_a_scheduler_polling_every_n_decode_steps_takes_a_request_in_at_the_next_poll():
     """SGLang's `--scheduler-recv-interval 10`: after a prefill step the loop polls at once, then after every 10
     decode steps. A request arriving in decode step 3 of a long request waits for the poll before step 11 and is
     prefilled there (polling every step: in step 4); one arriving at an idle server starts at once."""
-    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-                             max_model_len=512)
-
-    def first_step_of(request_id: int, result) -> int:
-        return next(i for i, step in enumerate(result.steps) if any(rid == request_id for rid, _, _ in step.batch))
-
     for interval, expected in ((1, 4), (10, 11)):
-        simulation = Simulation(config, model_step_time(toy_step), receive_interval=interval)
+        simulation = Simulation(INTAKE_CONFIG, model_step_time(toy_step), receive_interval=interval)
         result = simulation.run([RequestSpec(0, 0.0, 100, 40), RequestSpec(1, 0.035, 50, 5),
                                  RequestSpec(2, 5.0, 50, 5)])
         step = result.steps[first_step_of(1, result)]
@@ -334,7 +338,7 @@ def test_a_scheduler_polling_every_n_decode_steps_takes_a_request_in_at_the_next
         idle = result.steps[first_step_of(2, result)]
         assert idle.start_s == 5.0 and idle.batch == [(2, 0, 50)]
     with pytest.raises(PlannerError, match="receive interval must be a positive integer of steps, got 0"):
-        Simulation(config, model_step_time(toy_step), receive_interval=0)
+        Simulation(INTAKE_CONFIG, model_step_time(toy_step), receive_interval=0)
 
 
 def test_batch_waiting_holds_a_prompt_until_the_batch_fills_or_the_steps_run_out():
@@ -342,19 +346,13 @@ def test_batch_waiting_holds_a_prompt_until_the_batch_fills_or_the_steps_run_out
     decode step 3 of a long request is put off at five polls and prefilled in step 9 (no waiting: step 4); at a ratio
     of 0.75 of 256 tokens, a 150-token prompt arriving in step 4 fills the batch (1 decode + 200 prompt tokens) and
     both start in step 5; one arriving at an idle server starts at once."""
-    config = SchedulerConfig(num_pages=64, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-                             max_model_len=512)
-
-    def first_step_of(request_id: int, result) -> int:
-        return next(i for i, step in enumerate(result.steps) if any(rid == request_id for rid, _, _ in step.batch))
-
     long_one, late, idle = RequestSpec(0, 0.0, 100, 40), RequestSpec(1, 0.035, 50, 5), RequestSpec(9, 5.0, 50, 5)
     for wait, expected in ((None, 4), (BatchWait(5, 0.9), 9)):
-        result = Simulation(config, model_step_time(toy_step), batch_wait=wait).run([long_one, late, idle])
+        result = Simulation(INTAKE_CONFIG, model_step_time(toy_step), batch_wait=wait).run([long_one, late, idle])
         assert result.steps[3].start_s < 0.035 < result.steps[4].start_s
         assert first_step_of(1, result) == expected
         assert result.steps[first_step_of(9, result)].start_s == 5.0
-    filled = Simulation(config, model_step_time(toy_step), batch_wait=BatchWait(5, 0.75)).run(
+    filled = Simulation(INTAKE_CONFIG, model_step_time(toy_step), batch_wait=BatchWait(5, 0.75)).run(
         [long_one, late, RequestSpec(2, 0.045, 150, 5)])
     assert filled.steps[4].start_s < 0.045 < filled.steps[5].start_s
     assert first_step_of(1, filled) == first_step_of(2, filled) == 5
