@@ -11,8 +11,9 @@ Then one fit per serving engine family with enough points (`planner.benchmarks.e
 TensorRT-LLM; an older version joined only where it agrees with the newer one's fit): the engine's own step
 overheads, bandwidth share and API time over the physics of the every-engine fit in force (this run's, or the
 committed one where this run's is refused), each written beside it
-(`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks), with its leave-one-model-out
-medians beside the every-engine fit's on the same points.
+(`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks; a refused family's file is
+removed, and `--engine` then prices with the every-engine fit and says so), with its leave-one-model-out medians beside
+the every-engine fit's on the same points.
 
 Prints a table (measured, defaults, calibrated, cross-validated error per figure) and the medians; writes
 bench/results/gpu_calibration.json and a predicted-against-measured plot (bench/results/gpu_calibration.html).
@@ -131,6 +132,8 @@ def main() -> None:
         for engine, fitted in engines.items():
             if fitted["document"] is not None:
                 engine_calibration(engine).write_text(json.dumps(fitted["document"], indent=1) + "\n")
+            else:           # a refused fit must not leave the last catalogue's pricing `--engine`
+                engine_calibration(engine).unlink(missing_ok=True)
     RESULTS.mkdir(exist_ok=True)
     figure(document, default_rows).write_html(RESULTS / "gpu_calibration.html", include_plotlyjs="cdn")
     defaults = {(row["point"], row["metric"]): row for row in default_rows}
