@@ -15,7 +15,7 @@ CONFIGS = DATA / "model-configs"
 PRESETS = {
     "kimi-k2.6": "kimi-k2.6.json", "glm-5.2": "glm-5.2.json", "deepseek-v3": "deepseek-v3.json",
     "llama-3.1-8b": "llama-3.1-8b.json", "llama-3.1-70b": "llama-3.1-70b.json", "qwen3-8b": "qwen3-8b.json",
-    "qwen3-32b": "qwen3-32b.json", "qwen3-30b-a3b": "qwen3-30b-a3b.json",
+    "qwen3-14b": "qwen3-14b.json", "qwen3-32b": "qwen3-32b.json", "qwen3-30b-a3b": "qwen3-30b-a3b.json",
     "qwen3-235b-a22b": "qwen3-235b-a22b.json", "llama-4-scout": "llama-4-scout.json",
     "smollm2-135m": "smollm2-135m.json",
 }
@@ -25,8 +25,9 @@ PRESETS = {
 REPOSITORIES = {
     "kimi-k2.6": "moonshotai/Kimi-K2.6", "glm-5.2": "zai-org/GLM-5.2", "deepseek-v3": "deepseek-ai/DeepSeek-V3",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
-    "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-32b": "Qwen/Qwen3-32B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
-    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B", "llama-4-scout": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "llama-4-scout": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
 
