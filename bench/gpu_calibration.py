@@ -8,7 +8,8 @@ committed calibration (`planner/profiles/public-benchmarks.calibration.json`) th
 `search` and the dashboard use by default on the GPU kinds it covers.
 
 Then one fit per serving engine family with enough points (`planner.benchmarks.engine_fit`: vLLM, SGLang,
-TensorRT-LLM; an older version joined only where it agrees with the newer one's fit): the engine's own step
+TensorRT-LLM; another version joined only where it agrees with the fit of the newest version measured on two
+models or more): the engine's own step
 overheads, bandwidth share and API time over the physics of the every-engine fit in force (this run's, or the
 committed one where this run's is refused), each written beside it
 (`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks; a refused family's file is

@@ -22,6 +22,7 @@ from planner.simulation.simulator import BatchWait
 class Versioned:
     label: str
     engine_version: str
+    model: str = "qwen3-8b"
 
 
 @pytest.mark.parametrize(("text", "version"), [("0.21.0rc2", (0, 21)), ("v1.2.0rc1", (1, 2)),
@@ -40,14 +41,29 @@ def test_families_and_bad_engines():
         Deployment("llama-3.1-8b", "h100-sxm", 1, engine="tgi")
 
 
-def test_older_minor_versions_stand_apart_and_unnamed_ones_join_the_newest():
+def test_other_minor_versions_stand_apart_and_unnamed_ones_join_the_newest():
     points = [Versioned("a", "v1.2.0rc1"), Versioned("b", ""), Versioned("c", "0.21.0rc2"),
-              Versioned("d", "commit x"), Versioned("e", "0.20.0"), Versioned("f", "0.21.1")]
-    current, older = version_groups(points)
-    assert [p.label for p in current] == ["a", "b", "d"]
-    assert {version: [p.label for p in group] for version, group in older.items()} == {(0, 21): ["c", "f"],
-                                                                                      (0, 20): ["e"]}
-    assert list(older) == [(0, 21), (0, 20)]
+              Versioned("d", "commit x"), Versioned("e", "0.20.0"), Versioned("f", "0.21.1"),
+              Versioned("g", "v1.2.1", "llama-3.1-8b")]
+    current, others = version_groups(points)
+    assert [p.label for p in current] == ["a", "b", "d", "g"]
+    assert {version: [p.label for p in group] for version, group in others.items()} == {(0, 21): ["c", "f"],
+                                                                                       (0, 20): ["e"]}
+    assert list(others) == [(0, 21), (0, 20)]
+
+
+def test_the_reference_version_is_the_newest_that_spans_two_models():
+    """A newest version measured on one model cannot anchor the family's fit: the newest spanning two does, and the
+    newer one is checked against it like any other."""
+    points = [Versioned("new", "0.19.1", "llama-3.1-8b"), Versioned("a", "v0.11.0", "qwen3-8b"),
+              Versioned("b", "0.11.2", "qwen3-32b"), Versioned("old", "0.10.2", "llama-3.1-70b"),
+              Versioned("unnamed", "")]
+    current, others = version_groups(points)
+    assert [p.label for p in current] == ["a", "b", "unnamed"]
+    assert {version: [p.label for p in group] for version, group in others.items()} == {(0, 19): ["new"],
+                                                                                       (0, 10): ["old"]}
+    lone = [Versioned("x", "0.19.1", "llama-3.1-8b"), Versioned("y", "0.11.0", "llama-3.1-8b")]
+    assert [p.label for p in version_groups(lone)[0]] == ["x"]         # no version spans two: the newest
 
 
 def test_an_unstated_limit_is_the_engines_default_on_that_gpu():

@@ -1,6 +1,6 @@
-"""One calibration per serving engine (`planner.catalog.engines`): each family's points fitted on their own, an
-older version's points joined only where they agree with the newer ones' fit, leave-one-model-out within the family,
-and beside each figure what the fit over every engine says of the same points.
+"""One calibration per serving engine (`planner.catalog.engines`): each family's points fitted on their own, another
+version's points joined only where they agree with the reference version's fit (the newest that spans two models),
+leave-one-model-out within the family, and beside each figure what the fit over every engine says of the same points.
 
 An engine's fit frees only what its own code decides (`ENGINE_TERMS`): its step's host and scheduling overheads,
 its kernels' share of the memory bandwidth, its cost per expert run, its API server's time per request, its cost per
@@ -33,7 +33,7 @@ from planner.errors import PlannerError
 MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
 ENGINE_TERMS = ("step_overhead_s", "seq_overhead_s", "bandwidth_efficiency", "expert_overhead_s",
                 "request_overhead_s", "eager_kernel_s")
-VERSION_AGREEMENT_PCT = 25.0    # an older version's median |error| under the newer's fit that still counts as agreeing
+VERSION_AGREEMENT_PCT = 25.0    # another version's median |error| under the reference's fit that counts as agreeing
 
 
 def fittable(points: list[BenchmarkPoint]) -> list[BenchmarkPoint]:
@@ -42,14 +42,14 @@ def fittable(points: list[BenchmarkPoint]) -> list[BenchmarkPoint]:
 
 def agreeing_versions(points: list[BenchmarkPoint], shared: StepParameters) -> tuple[list[BenchmarkPoint],
                                                                                      list[dict[str, Any]]]:
-    """The current version's points, with each older version's that its fit predicts within VERSION_AGREEMENT_PCT
-    (median |error|); the others kept apart, with their error."""
-    current, older = version_groups(points)
-    if not older:
+    """The reference version's points (`version_groups`), with each other version's that its fit predicts within
+    VERSION_AGREEMENT_PCT (median |error|); the others kept apart, with their error."""
+    current, others = version_groups(points)
+    if not others:
         return current, []
     params, _ = fit_points([PointSetup.of(point) for point in current], shared, free=ENGINE_TERMS)
     kept, apart = list(current), []
-    for version, group in older.items():
+    for version, group in others.items():
         setups = [PointSetup.of(point) for point in group]
         error = median_errors(error_rows(setups, predictions(setups, params), "version_check"))["all"]
         verdict = {"version": ".".join(map(str, version)), "points": len(group), "median_error_pct": error}
@@ -76,7 +76,7 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
         family = [point for point in points if engine_family(point.engine) == engine]
         fitted = fittable(family)
         models = {point.model for point in fitted}
-        current, _ = version_groups(fitted)         # older versions join only if they agree: not counted on
+        current, _ = version_groups(fitted)         # other versions join only if they agree: not counted on
         timed = {point.model for point in current if point.measured("tpot") or point.measured("itl")}
         if len(fitted) < MIN_ENGINE_POINTS or len(models) < 2:
             found[engine] = {"document": None, "why": f"{len(fitted)} points of {len(models)} models: fewer than "

@@ -4,8 +4,9 @@ their versions, and where each family's fit to the public measurements lives.
 The same deployment measures up to 2x apart between engines and versions (the catalogue's TensorRT-LLM 0.21 rows
 against SGLang's, vLLM 0.7 against SGLang 0.5), so each family gets its own step parameters over the shared physics
 (the catalogue's peaks); NVIDIA's aiconfigurator keeps one performance database per backend and version for the same
-reason. Within a family, points of an older minor version are fitted with the newer ones only where they agree
-with them (`planner.benchmarks.engine_fit`): otherwise they are kept apart, not averaged.
+reason. Within a family, one minor version is the reference (the newest measured on two models or more); the
+points of every other version are fitted with it only where they agree with its fit (`planner.benchmarks.engine_fit`):
+otherwise they are kept apart, not averaged.
 """
 from __future__ import annotations
 
@@ -45,16 +46,20 @@ def engine_calibration(engine: str) -> Path:
 
 
 def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
-    """A family's points split into the current group (the newest minor version named, with the points whose version
-    is not named) and each older minor version's points, newest first."""
+    """A family's points split into the reference group and every other minor version's points, newest first. The
+    reference is the newest minor version whose points span two models or more (one model's points cannot tell the
+    engine's own terms from that model's; where no version does, the newest), with the points whose version is not
+    named. The others join it only where they agree with its fit (`planner.benchmarks.engine_fit`)."""
     versions = [(point, minor_version(point.engine_version)) for point in points]
-    newest = max((version for _, version in versions if version is not None), default=None)
-    current = [point for point, version in versions if version is None or version == newest]
-    older: dict[tuple[int, int], list] = {}
+    named = sorted({version for _, version in versions if version is not None}, reverse=True)
+    models = {version: {point.model for point, named_as in versions if named_as == version} for version in named}
+    reference = next((version for version in named if len(models[version]) >= 2), named[0] if named else None)
+    current = [point for point, version in versions if version is None or version == reference]
+    others: dict[tuple[int, int], list] = {}
     for point, version in versions:
-        if version is not None and version != newest:
-            older.setdefault(version, []).append(point)
-    return current, dict(sorted(older.items(), reverse=True))
+        if version is not None and version != reference:
+            others.setdefault(version, []).append(point)
+    return current, dict(sorted(others.items(), reverse=True))
 
 
 def default_limits(engine: str, gpu: HardwareSpec, attention_ranks: int = 1) -> tuple[int, int] | None:
