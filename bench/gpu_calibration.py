@@ -9,9 +9,8 @@ committed calibration (`planner/profiles/public-benchmarks.calibration.json`) th
 
 Then one fit per serving engine family with enough points (`planner.benchmarks.engine_fit`: vLLM, SGLang,
 TensorRT-LLM; another version joined only where it agrees with the fit of the newest version measured on two
-models or more): the engine's own step
-overheads, bandwidth share and API time over the physics of the every-engine fit in force (this run's, or the
-committed one where this run's is refused), each written beside it
+models or more): the engine's own step overheads, bandwidth share and API time over the physics of the every-engine
+fit in force (this run's, or the committed one where this run's is refused), each written beside it
 (`planner/profiles/public-benchmarks-<engine>.calibration.json`, what `--engine` picks; a refused family's file is
 removed, and `--engine` then prices with the every-engine fit and says so), with its leave-one-model-out medians beside
 the every-engine fit's on the same points.

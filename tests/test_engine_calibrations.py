@@ -120,7 +120,7 @@ def test_the_engine_chosen_gets_its_command_alone():
 
 def test_a_family_timing_tokens_on_one_model_only_is_not_fitted_on_its_own(monkeypatch):
     """TensorRT-LLM's catalogue points without its Qwen3-8B and Qwen3-14B runs time tokens on Qwen3-32B alone in its
-    current version (the rest are throughput runs or older versions): their own fit could not be cross-validated on
+    reference version (the rest are throughput runs or older versions): their own fit could not be cross-validated on
     latency, so it keeps the every-engine fit and says why."""
     from planner.benchmarks import engine_fit
     from planner.benchmarks.formats import read_benchmarks

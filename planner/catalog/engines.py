@@ -51,15 +51,14 @@ def version_groups(points: list) -> tuple[list, dict[tuple[int, int], list]]:
     engine's own terms from that model's; where no version does, the newest), with the points whose version is not
     named. The others join it only where they agree with its fit (`planner.benchmarks.engine_fit`)."""
     versions = [(point, minor_version(point.engine_version)) for point in points]
-    named = sorted({version for _, version in versions if version is not None}, reverse=True)
-    models = {version: {point.model for point, named_as in versions if named_as == version} for version in named}
-    reference = next((version for version in named if len(models[version]) >= 2), named[0] if named else None)
-    current = [point for point, version in versions if version is None or version == reference]
-    others: dict[tuple[int, int], list] = {}
+    groups: dict[tuple[int, int] | None, list] = {}
     for point, version in versions:
-        if version is not None and version != reference:
-            others.setdefault(version, []).append(point)
-    return current, dict(sorted(others.items(), reverse=True))
+        groups.setdefault(version, []).append(point)
+    named = sorted((version for version in groups if version is not None), reverse=True)
+    reference = next((version for version in named if len({point.model for point in groups[version]}) >= 2),
+                     named[0] if named else None)
+    current = [point for point, version in versions if version is None or version == reference]
+    return current, {version: groups[version] for version in named if version != reference}
 
 
 def default_limits(engine: str, gpu: HardwareSpec, attention_ranks: int = 1) -> tuple[int, int] | None:
