@@ -180,8 +180,10 @@ def engine_table(engines: dict) -> list[str]:
         apart = "; kept apart: " + ", ".join(f"{item['version']} ({item['median_error_pct']}%)"
                                             for item in fitted["kept_apart"]) if fitted["kept_apart"] else ""
         refused = f"; refused, not written: {fitted['why']}" if fitted["document"] is None else ""
+        choice = fitted["compute_share_choice"]
+        medians = ", ".join(f"{rate} {value}%" for rate, value in choice["cross_validated_median_error_pct_all"].items())
         lines.append(f"{ENGINE_NAMES[engine] + ' (' + str(fitted['points']) + ' points)':44s} "
-                     f"{cells}   ({beside}){apart}{refused}")
+                     f"{cells}   ({beside}){apart}{refused}; dense GEMM rate: {choice['chosen']} ({medians})")
     return lines
 
 

@@ -159,3 +159,27 @@ def test_an_engines_fit_keeps_the_shared_physics_and_fits_its_own_terms():
     refused = engine_fit.engine_calibrations(points, {"cross_validated_rows": []}, worst * 0.99, shared)["sglang"]
     assert refused["document"] is None and refused["why"].startswith("the fit's leave-one-model-out median error")
     assert refused["cross_validated_median_error_pct"] == cv and refused["points"] == found["points"]
+
+
+def test_an_engine_frees_its_dense_gemm_rate_only_where_leaving_models_out_says_so():
+    """Handed a shared GEMM rate 1.6x its points' truth, an engine's fit frees its own: it comes back within 5%, and
+    the leave-one-model-out median over every figure it was chosen by is below the shared rate's. Handed the true
+    rate, the extra term buys nothing the left-out models can see, and the shared rate stands."""
+    from dataclasses import replace
+
+    from test_benchmarks import SPECS, TRUTH, synthetic_points
+
+    from planner.benchmarks import engine_fit
+
+    points = [replace(point, engine="vllm", engine_version="0.11.0") for point in synthetic_points(SPECS[:2])]
+    for shared_rate, chosen in ((TRUTH.compute_efficiency * 1.6, "own"), (TRUTH.compute_efficiency, "shared")):
+        document = engine_fit.engine_fit(points, "vllm", replace(TRUTH, compute_efficiency=shared_rate))
+        medians = document["compute_share_choice"]["cross_validated_median_error_pct_all"]
+        assert document["compute_share_choice"]["chosen"] == chosen, medians
+        assert ("compute_efficiency" in document["engine_terms"]) == (chosen == "own")
+        if chosen == "own":
+            assert medians["own"] < medians["shared"]
+            assert document["parameters"]["compute_efficiency"] == pytest.approx(TRUTH.compute_efficiency, rel=0.05)
+        else:
+            assert medians["shared"] <= medians["own"]
+            assert document["parameters"]["compute_efficiency"] == TRUTH.compute_efficiency

@@ -4,11 +4,13 @@ leave-one-model-out within the family, and beside each figure what the fit over 
 
 An engine's fit frees only what its own code decides (`ENGINE_TERMS`): its step's host and scheduling overheads,
 its kernels' share of the memory bandwidth, its cost per expert run, its API server's time per request, its cost per
-kernel of a prompt step it runs without a CUDA graph. The rest is physics it shares with
-every engine on the same GPUs, taken from the fit over every engine in force: the GEMMs' share of peak FLOP/s
-(dense and the experts' grouped ones) and the collectives' latency. One engine's points cannot tell those apart:
-SGLang's (every one a MoE model) fitted them freely to dense GEMMs at 12% of peak beside experts at 1.5 times the
-dense rate, and priced the Kimi K2 pools they had never seen 29-45% low; with the shared physics, within 24%."""
+kernel of a prompt step it runs without a CUDA graph. The rest is physics it shares with every engine on the same
+GPUs, taken from the fit over every engine in force: the experts' GEMM rate beside the dense one and the
+collectives' latency. One engine's points cannot tell those apart: SGLang's (every one a MoE model) fitted them
+freely to dense GEMMs at 12% of peak beside experts at 1.5 times the dense rate, and priced the Kimi K2 pools they
+had never seen 29-45% low; with the shared physics, within 24%. The dense GEMMs' share of peak FLOP/s
+(`compute_efficiency`) is the engine's own kernels' too, but freeing it is a model choice its points make: the fit
+frees it only where that lowers the family's leave-one-model-out median error over every figure (`OWN_COMPUTE`)."""
 from __future__ import annotations
 
 import math
@@ -33,6 +35,7 @@ from planner.errors import PlannerError
 MIN_ENGINE_POINTS = 12          # a family fitted on its own needs this many points of two models or more
 ENGINE_TERMS = ("step_overhead_s", "seq_overhead_s", "bandwidth_efficiency", "expert_overhead_s",
                 "request_overhead_s", "eager_kernel_s")
+OWN_COMPUTE = ENGINE_TERMS + ("compute_efficiency",)
 VERSION_AGREEMENT_PCT = 25.0    # another version's median |error| under the reference's fit that counts as agreeing
 
 
@@ -64,6 +67,27 @@ def same_points(rows: list[dict[str, Any]], labels: set[str]) -> dict[str, float
     return median_errors([row for row in rows if row["point"] in labels])
 
 
+def engine_fit(points: list[BenchmarkPoint], engine: str, shared: StepParameters) -> dict[str, Any]:
+    """The family's fit over its own terms, and over them with its own dense GEMM rate: the one whose
+    leave-one-model-out median |error| over every figure is lower (the shared rate on a tie), with both medians."""
+    fits = []
+    for terms in (ENGINE_TERMS, OWN_COMPUTE):
+        try:
+            fits.append((terms, calibrate_benchmarks(points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
+                                                     free=terms, start=shared,
+                                                     described_as=f"public {engine} measurements")))
+        except PlannerError:
+            if not fits:            # its own terms alone cannot be fitted
+                raise               # else too few figures for one more term: the shared GEMM rate stands
+    medians = {("own" if terms == OWN_COMPUTE else "shared"): document["cross_validated_median_error_pct"]["all"]
+               for terms, document in fits}
+    terms, document = min(fits, key=lambda fit: fit[1]["cross_validated_median_error_pct"]["all"])
+    document["engine_terms"] = list(terms)
+    document["compute_share_choice"] = {"cross_validated_median_error_pct_all": medians,
+                                        "chosen": "own" if terms == OWN_COMPUTE else "shared"}
+    return document
+
+
 def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, Any],
                         max_cv_median_pct: float, shared: StepParameters) -> dict[str, dict[str, Any]]:
     """Per engine family: its calibration document (None where too few points or models, or where fewer than two of
@@ -92,9 +116,7 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
         apart_labels = {point.label for point in fitted if point.label not in kept_labels}
         family_points = [point for point in family if point.label not in apart_labels]
         try:
-            document = calibrate_benchmarks(family_points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
-                                            free=ENGINE_TERMS, start=shared,
-                                            described_as=f"public {engine} measurements")
+            document = engine_fit(family_points, engine, shared)
         except PlannerError as error:
             found[engine] = {"document": None, "why": str(error), "kept_apart": apart}
             continue
@@ -103,12 +125,13 @@ def engine_calibrations(points: list[BenchmarkPoint], every_engine: dict[str, An
                    "every_engine_cross_validated_median_error_pct": same_points(every_engine["cross_validated_rows"],
                                                                                 labels),
                    "held_out_median_error_pct": document["held_out_median_error_pct"],
-                   "points": document["num_points"], "models": document["models"]}
+                   "points": document["num_points"], "models": document["models"],
+                   "compute_share_choice": document["compute_share_choice"]}
         refused = refusal(document, max_cv_median_pct)
         if refused:         # not written, not used: its medians still say how far the engine's own fit got
             found[engine] = {"document": None, "why": refused, "kept_apart": apart, **medians}
             continue
         document["max_cv_median_pct"] = max_cv_median_pct
-        document["shared_with_every_engine"] = [name for name in FREE if name not in ENGINE_TERMS]
+        document["shared_with_every_engine"] = [name for name in FREE if name not in document["engine_terms"]]
         found[engine] = {"document": document, "kept_apart": apart, **medians}
     return found
