@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from verify_checks import PROFILE, SLOWDOWN_BOUND_PCT, STEAL_BOUND_PCT, assert_gated, errors, planner_json
+from verify_checks import MAX_PACE_RATIO, PROFILE, STEAL_BOUND_PCT, assert_gated, errors, planner_json
 
 from planner.verification.comparison import PROBES_AGREE_PCT
 
@@ -33,7 +33,8 @@ def test_verification_of_independent_requests(tmp_path):
     assert payload["replay"]["preemptions"]["predicted"] == payload["replay"]["preemptions"]["measured"]
     # Issue 8's 15%, on the one figure the verification declares (`gate`): drift-corrected where its probes agree
     assert_gated(payload, ("output_tokens_per_s", "tpot_p50_s"), 15)
-    assert len(machine["probes"]) == 5 and abs(machine["slowdown_vs_profile_pct"]) < SLOWDOWN_BOUND_PCT
+    assert len(machine["probes"]) == 5
+    assert 1 / MAX_PACE_RATIO < 1 + machine["slowdown_vs_profile_pct"] / 100 < MAX_PACE_RATIO
     assert machine["cpu_steal_pct"] is not None and machine["cpu_steal_pct"] < STEAL_BOUND_PCT
     assert payload["fingerprint"]["threads"] == 1 and all(probe["timed"] >= 3 for probe in machine["probes"])
     assert {"workload", "fingerprint", "machine"} <= set(payload)
