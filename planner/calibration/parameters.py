@@ -4,7 +4,6 @@ the GPU, else the documented defaults (which carry no error bar). Calibrations a
 are made by `planner.calibration.profile_fit`, `planner.endpoint` and `planner.benchmarks.fit`."""
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -115,20 +114,22 @@ def check_fingerprint(fingerprint: dict[str, Any], what: str, engine_version: st
 
 
 @functools.lru_cache(maxsize=16)
-def _read_calibration(path: str, mtime_ns: int) -> dict[str, Any]:
-    return read_json(path, "calibration")
+def _read_calibration(path: str, mtime_ns: int) -> Calibration:
+    document = read_json(path, "calibration")
+    if document.get("version") != CALIBRATION_VERSION:
+        raise PlannerError(f"calibration {path!r} has version {document.get('version')!r}; "
+                           f"this planner reads version {CALIBRATION_VERSION}")
+    return Calibration.of(document, f"calibration {path!r}")
 
 
 def load_calibration(path: str | Path) -> Calibration:
+    """The calibration at `path`, read again only when the file changes. Every caller shares it (a search prices
+    hundreds of deployments, and a copy of a fit with its rows cost a fifth of its time): read it, never change it."""
     try:
         stamp = Path(path).stat().st_mtime_ns
     except OSError:
         stamp = -1                                  # read_json names the missing or unreadable file
-    document = copy.deepcopy(_read_calibration(str(path), stamp))
-    if document.get("version") != CALIBRATION_VERSION:
-        raise PlannerError(f"calibration {str(path)!r} has version {document.get('version')!r}; "
-                           f"this planner reads version {CALIBRATION_VERSION}")
-    return Calibration.of(document, f"calibration {str(path)!r}")
+    return _read_calibration(str(path), stamp)
 
 
 def committed_calibration(hardware: str, model: str, weights: str, kv_dtype: str) -> Path | None:
