@@ -262,31 +262,43 @@ def test_fast_forwarded_decode_windows_give_the_step_by_step_timings(index_topk,
                                                                      receive_interval, batch_wait, monkeypatch):
     """Dense and sparse step prices, two replicas, a pool small enough to preempt, a scheduler that polls for
     requests every 7 decode steps, one that holds prompts back for a fuller batch: the same first tokens, ends,
-    steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run."""
+    steps, peaks and preemptions, float for float, with windows fast-forwarded or not; and windows did run, their
+    steps sharing timeouts where nothing else happens between them."""
+    import simpy
+
     from planner.simulation.simulator import Replica
 
-    windows = []
-    original = Replica.decode_window
+    windows, timeouts = [], []
+    original, timeout = Replica.decode_window, simpy.Environment.timeout
 
     def counted(self):
         steps = yield from original(self)
         windows.append(steps)
         return steps
+
+    def counted_timeout(self, delay=0, value=None):
+        timeouts.append(delay)
+        return timeout(self, delay, value)
     monkeypatch.setattr(Replica, "decode_window", counted)
+    monkeypatch.setattr(simpy.Environment, "timeout", counted_timeout)
     config = SchedulerConfig(num_pages=num_pages, page_size=16, max_num_seqs=64, max_num_batched_tokens=1024,
                              max_model_len=4096)
     workload = Workload("poisson", 300, rate=3.0, prompt=LengthDistribution("uniform", low=20, high=300),
                         output=LengthDistribution("uniform", low=10, high=300), seed=5)
-    results = [Simulation(config, model_step_time(sparse_step, index_topk), replicas, record_steps=False,
-                          fast_forward=fast, receive_interval=receive_interval,
-                          batch_wait=batch_wait).run(workload)
-               for fast in (False, True)]
+    results, timeouts_per_run = [], []
+    for fast_forward in (False, True):
+        timeouts.clear()
+        results.append(Simulation(config, model_step_time(sparse_step, index_topk), replicas, record_steps=False,
+                                  fast_forward=fast_forward, receive_interval=receive_interval,
+                                  batch_wait=batch_wait).run(workload))
+        timeouts_per_run.append(len(timeouts))
     slow, fast = results
     assert [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in slow.timings] == \
            [(t.first_token_s, t.finish_s, t.output_tokens, t.preemptions) for t in fast.timings]
     assert (slow.num_steps, slow.peak_running, slow.kv_utilization_peak, slow.preemptions) == \
            (fast.num_steps, fast.peak_running, fast.kv_utilization_peak, fast.preemptions)
     assert sum(windows) > slow.num_steps / 4, (sum(windows), slow.num_steps)
+    assert timeouts_per_run[1] < timeouts_per_run[0], (timeouts_per_run, sum(windows))
     assert num_pages > 100 or slow.preemptions > 0
 
 

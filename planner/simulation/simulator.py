@@ -114,6 +114,16 @@ class SimulatedSequence(Sequence):
         return hashes, keys
 
 
+def delay_to(now: float, then: float) -> float:
+    """The delay SimPy adds to `now` to land on `then` float for float (`then - now` can miss it by an ulp)."""
+    delay = then - now
+    while now + delay < then:
+        delay = math.nextafter(delay, math.inf)
+    while now + delay > then:
+        delay = math.nextafter(delay, -math.inf)
+    return delay
+
+
 class ModelStepTime:
     """A step-time function of the scheduler's batch, from one of a `BatchShape` (of a model whose sparse
     attention reads `index_topk` tokens per query; 0: dense). It also prices a step of decodes given by its sums,
@@ -356,9 +366,10 @@ class Replica:
         """Fast-forwards through steps in which nothing can happen but decoding: every running sequence decodes,
         none finishes, none could be admitted, the pool takes every page they grow into, and nothing arrives
         (an arrival ends the window after the step it came in, or after the step the loop would poll it in). Each
-        step is priced from the shape the scheduler would have given it and timed by its own SimPy timeout, so the
-        clock is the step-by-step one; only the per-sequence bookkeeping is done once for the whole window. Returns
-        the steps taken (0: none could)."""
+        step is priced from the shape the scheduler would have given it and its time added as SimPy adds a
+        timeout's, so the clock is the step-by-step one, float for float; the steps that end before any other
+        process's next event share one timeout, and the per-sequence bookkeeping is done once for the whole window.
+        Returns the steps taken (0: none could)."""
         scheduler = self.scheduler
         manager, running, config = scheduler.block_manager, scheduler.running, scheduler.config
         count = len(running)
@@ -391,25 +402,39 @@ class Replica:
         waiting = len(scheduler.waiting) + len(scheduler.arrivals)
         steps = 0
         while steps < window:
-            steps += 1
-            below = bisect.bisect_left(contexts, topk - steps) if topk else 0    # contexts still under index_topk
-            selected = prefix[below] + steps * below + topk * (count - below)
-            duration = self.step_time.decodes(count, total + count * steps, longest + steps, selected)
-            start = env.now
-            self.steps += 1
-            yield env.timeout(duration)
-            sim.note_step(self.index, start, duration, None, used, count)
-            self._since_poll += 1
-            if self._since_poll >= self.receive_interval:
-                if self.inbox and self._batch_ready():
+            # the steps that end before any other process's next event run under one timeout: nothing can happen
+            # between them, so each is polled at once; the last one, after whatever came while it ran
+            horizon, start = env.peek(), env.now
+            clock, polled_out = start, False
+            while not polled_out:
+                steps += 1
+                below = bisect.bisect_left(contexts, topk - steps) if topk else 0    # contexts still under index_topk
+                selected = prefix[below] + steps * below + topk * (count - below)
+                duration = self.step_time.decodes(count, total + count * steps, longest + steps, selected)
+                sim.note_step(self.index, clock, duration, None, used, count)
+                self.steps += 1
+                clock += duration               # as SimPy's clock adds each step's timeout
+                if steps == window or clock >= horizon:
                     break
-                self._since_poll = 0        # the loop polls and finds nothing, or batch waiting puts it off
-                self._put_off += bool(self.inbox)
+                polled_out = self._poll_ends_window()
+            yield env.timeout(delay_to(start, clock))
+            if polled_out or self._poll_ends_window():
+                break
             if len(scheduler.waiting) + len(scheduler.arrivals) != waiting:
                 break
         scheduler.advance_decodes(steps)
         sim.note_pages(manager.num_used_pages)
         return steps
+
+    def _poll_ends_window(self) -> bool:
+        """After a window's decode step: whether the loop's poll would take a batch from the inbox now."""
+        self._since_poll += 1
+        if self._since_poll >= self.receive_interval:
+            if self.inbox and self._batch_ready():
+                return True
+            self._since_poll = 0        # the loop polls and finds nothing, or batch waiting puts it off
+            self._put_off += bool(self.inbox)
+        return False
 
 
 class Simulation:
