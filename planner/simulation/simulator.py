@@ -226,7 +226,8 @@ class Replica:
                                                         config.enable_prefix_caching))
         self.sim = sim
         self.fast_forward = fast_forward and isinstance(step_time, ModelStepTime)
-        self.step_time = (step_time.for_replica(index, lambda: env.now) if isinstance(step_time, ModelStepTime)
+        self._window_step_start: float | None = None     # inside a window's shared timeout: its step's start
+        self.step_time = (step_time.for_replica(index, self.step_start) if isinstance(step_time, ModelStepTime)
                           else step_time)
         self.steps = 0                  # steps this replica ran
         self.step_extra: Callable[[SchedulerOutput], float] | None = None      # work a step does beside the model
@@ -234,6 +235,11 @@ class Replica:
         self.wakeup = env.event()
         self.unfinished = 0
         env.process(self.run())
+
+    def step_start(self) -> float:
+        """When the step being priced starts: the clock, or inside a decode window's shared timeout, the start of
+        that step (a step recorder keeps it)."""
+        return self.env.now if self._window_step_start is None else self._window_step_start
 
     def submit(self, seq: Sequence) -> None:
         if self.receive_interval > 1 or self.batch_wait is not None:
@@ -410,6 +416,7 @@ class Replica:
                 steps += 1
                 below = bisect.bisect_left(contexts, topk - steps) if topk else 0    # contexts still under index_topk
                 selected = prefix[below] + steps * below + topk * (count - below)
+                self._window_step_start = clock
                 duration = self.step_time.decodes(count, total + count * steps, longest + steps, selected)
                 sim.note_step(self.index, clock, duration, None, used, count)
                 self.steps += 1
@@ -417,6 +424,7 @@ class Replica:
                 if steps == window or clock >= horizon:
                     break
                 polled_out = self._poll_ends_window()
+            self._window_step_start = None
             yield env.timeout(delay_to(start, clock))
             if polled_out or self._poll_ends_window():
                 break
