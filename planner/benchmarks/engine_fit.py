@@ -71,20 +71,18 @@ def engine_fit(points: list[BenchmarkPoint], engine: str, shared: StepParameters
     """The family's fit over its own terms, and over them with its own dense GEMM rate: the one whose
     leave-one-model-out median |error| over every figure is lower (the shared rate on a tie), with both medians."""
     fits = []
-    for terms in (ENGINE_TERMS, OWN_COMPUTE):
+    for rate, terms in (("shared", ENGINE_TERMS), ("own", OWN_COMPUTE)):
         try:
-            fits.append((terms, calibrate_benchmarks(points, held_out=HELD_OUT_FAMILIES, max_cv_median_pct=math.inf,
-                                                     free=terms, start=shared,
-                                                     described_as=f"public {engine} measurements")))
+            fits.append((rate, terms, calibrate_benchmarks(points, held_out=HELD_OUT_FAMILIES,
+                                                           max_cv_median_pct=math.inf, free=terms, start=shared,
+                                                           described_as=f"public {engine} measurements")))
         except PlannerError:
             if not fits:            # its own terms alone cannot be fitted
                 raise               # else too few figures for one more term: the shared GEMM rate stands
-    medians = {("own" if terms == OWN_COMPUTE else "shared"): document["cross_validated_median_error_pct"]["all"]
-               for terms, document in fits}
-    terms, document = min(fits, key=lambda fit: fit[1]["cross_validated_median_error_pct"]["all"])
+    medians = {rate: document["cross_validated_median_error_pct"]["all"] for rate, _, document in fits}
+    chosen, terms, document = min(fits, key=lambda fit: fit[2]["cross_validated_median_error_pct"]["all"])
     document["engine_terms"] = list(terms)
-    document["compute_share_choice"] = {"cross_validated_median_error_pct_all": medians,
-                                        "chosen": "own" if terms == OWN_COMPUTE else "shared"}
+    document["compute_share_choice"] = {"cross_validated_median_error_pct_all": medians, "chosen": chosen}
     return document
 
 
